@@ -1,0 +1,433 @@
+#!/usr/bin/env python3
+"""Maintain the DeepSpeed patch series as a stack of git commits on the pinned upstream sdist.
+
+The project holds only patches. This tool turns them into a git repository to edit
+(``materialize``), turns that repository back into patches (``export``), proves the two agree
+(``check``) and installs the upstream tree patched up to any prefix of the series (``install``).
+
+Only the standard library and the ``git`` and ``pip`` executables are used. Git always runs with
+the user's and the system's configuration ignored, so a developer's settings cannot change the
+exported bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+UPSTREAM_NAME = "deepspeed"
+UPSTREAM_VERSION = "0.19.3"
+UPSTREAM_SHA256 = "82b4b92d0cd58f8fc461b80428a5be2838f4adad48ae3aef509495c640c9ed2f"
+SDIST_NAME = f"{UPSTREAM_NAME}-{UPSTREAM_VERSION}.tar.gz"
+SERIES_TAG = "unmanagedga"
+UPSTREAM_TAG = "upstream"
+
+ROOT = Path(__file__).resolve().parent.parent
+PATCHES_DIR = ROOT / "patches"
+SERIES_FILE = PATCHES_DIR / "series"
+TREE_DIR = ROOT / "deepspeed-src"
+PREFIX_DIR = ROOT / "build"
+
+#: Environment variable naming a local sdist to use instead of downloading one (offline use).
+SDIST_ENV = "DS_SERIES_SDIST"
+#: Environment variable overriding the sdist cache folder.
+CACHE_ENV = "DS_SERIES_CACHE"
+
+#: Files that DeepSpeed's setup.py rewrites on every install. They stay tracked (they are part of
+#: the pristine tree) but git is told to ignore local changes to them, so an install never makes
+#: the materialized tree look edited.
+BUILD_OUTPUTS = ("build.txt", "deepspeed/git_version_info_installed.py", "deepspeed.egg-info")
+UNTRACKED_BUILD_OUTPUTS = ("build/", "dist/", "*.egg-info/", "__pycache__/", "*.pyc", "*.so")
+
+#: A fixed identity and clock for commits the tool makes, so materializing twice gives one history.
+_GIT_ENV = {
+    "GIT_CONFIG_GLOBAL": os.devnull,
+    "GIT_CONFIG_NOSYSTEM": "1",
+    "GIT_AUTHOR_NAME": "DeepSpeed Team",
+    "GIT_AUTHOR_EMAIL": "deepspeed-info@microsoft.com",
+    "GIT_AUTHOR_DATE": "2000-01-01T00:00:00Z",
+    "GIT_COMMITTER_NAME": "deepspeed-series",
+    "GIT_COMMITTER_EMAIL": "deepspeed-series@localhost",
+    "GIT_COMMITTER_DATE": "2000-01-01T00:00:00Z",
+}
+_GIT_CONFIG = ("-c", "diff.algorithm=myers", "-c", "core.autocrlf=false", "-c", "core.abbrev=12", "-c",
+               "user.useConfigOnly=false", "-c", "commit.gpgsign=false", "-c", "tag.gpgsign=false")
+_FORMAT_PATCH = ("format-patch", "--keep-subject", "--no-stat", "--no-signature", "--zero-commit", "--full-index",
+                 "--no-numbered", "--stdout")
+
+
+class StackError(Exception):
+    """A failure the user can act on; the CLI prints it without a traceback."""
+
+
+@dataclass(frozen=True)
+class Patch:
+    """One PR of the series: its position (1-based), short name and title."""
+
+    index: int
+    name: str
+    title: str
+
+    @property
+    def path(self) -> Path:
+        return PATCHES_DIR / f"{self.name}.patch"
+
+
+def version_for(upto: int) -> str:
+    """The PEP 440 version of the upstream tree patched with the first ``upto`` PRs."""
+    return f"{UPSTREAM_VERSION}+{SERIES_TAG}.{upto}"
+
+
+# --------------------------------------------------------------------------------------------
+# The series index
+# --------------------------------------------------------------------------------------------
+
+
+def read_series(series_file: Path = SERIES_FILE) -> list[Patch]:
+    """Parse ``patches/series``: one ``<short-name> <title>`` line per PR, in stack order."""
+    patches = []
+    for line in series_file.read_text(encoding="utf-8").splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        name, _, title = line.partition(" ")
+        patches.append(Patch(len(patches) + 1, name, title.strip()))
+    names = [p.name for p in patches]
+    if len(set(names)) != len(names):
+        raise StackError(f"{series_file}: duplicate short names in {names}")
+    return patches
+
+
+def write_series(patches: list[Patch], series_file: Path = SERIES_FILE) -> None:
+    """Rewrite the index, keeping its header comments."""
+    header = [l for l in series_file.read_text(encoding="utf-8").splitlines() if l.startswith("#")]
+    body = [f"{p.name} {p.title}" for p in patches]
+    _write_text(series_file, "\n".join(header + body) + "\n")
+
+
+def select(patches: list[Patch], upto: int | None) -> list[Patch]:
+    if upto is None:
+        return patches
+    if not 0 <= upto <= len(patches):
+        raise StackError(f"--upto must be between 0 and {len(patches)}, got {upto}")
+    return patches[:upto]
+
+
+# --------------------------------------------------------------------------------------------
+# fetch
+# --------------------------------------------------------------------------------------------
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def verify_sdist(path: Path, expected: str = UPSTREAM_SHA256) -> Path:
+    actual = sha256_of(path)
+    if actual != expected:
+        raise StackError(f"sha256 mismatch for {path}:\n  expected {expected}\n  actual   {actual}\n"
+                         f"Refusing to use it: the series is pinned to {UPSTREAM_NAME}=={UPSTREAM_VERSION}.")
+    return path
+
+
+def cache_dir() -> Path:
+    base = os.environ.get(CACHE_ENV) or os.path.join(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"),
+                                                       "deepspeed-series")
+    return Path(base)
+
+
+def fetch() -> Path:
+    """Return the verified pinned sdist: from ``$DS_SERIES_SDIST``, the cache, or pip's index."""
+    local = os.environ.get(SDIST_ENV)
+    if local:
+        return verify_sdist(Path(local))
+    cached = cache_dir() / SDIST_NAME
+    if cached.exists():
+        return verify_sdist(cached)
+    with tempfile.TemporaryDirectory() as tmp:
+        # Through pip, so that the user's own index configuration (pip.conf, PIP_INDEX_URL) applies.
+        cmd = [
+            sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+            "--disable-pip-version-check", "-d", tmp, f"{UPSTREAM_NAME}=={UPSTREAM_VERSION}"
+        ]
+        result = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        downloaded = Path(tmp) / SDIST_NAME
+        if not downloaded.exists():
+            raise StackError(f"pip could not download {SDIST_NAME}:\n{result.stdout}")
+        verify_sdist(downloaded)
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        partial = cached.with_suffix(".partial")
+        shutil.copyfile(downloaded, partial)
+        partial.replace(cached)
+    return cached
+
+
+def extract_sdist(sdist: Path, dest: Path) -> None:
+    """Unpack the sdist's single top-level folder into ``dest``."""
+    top = f"{UPSTREAM_NAME}-{UPSTREAM_VERSION}/"
+    dest.mkdir(parents=True)
+    with tarfile.open(sdist) as tar:
+        members = []
+        for member in tar.getmembers():
+            if not member.name.startswith(top):
+                continue
+            member.name = member.name[len(top):]
+            if member.name:
+                members.append(member)
+        tar.extractall(dest, members=members, filter="tar")
+
+
+# --------------------------------------------------------------------------------------------
+# git plumbing
+# --------------------------------------------------------------------------------------------
+
+
+def git(repo: Path, *args: str, check: bool = True, input: str | None = None) -> str:
+    env = {**os.environ, **_GIT_ENV}
+    # Commits made by a developer keep their own identity and dates.
+    for key in ("GIT_AUTHOR_NAME", "GIT_AUTHOR_EMAIL", "GIT_AUTHOR_DATE", "GIT_COMMITTER_DATE"):
+        if key in os.environ:
+            env[key] = os.environ[key]
+    result = subprocess.run(["git", *_GIT_CONFIG, *args], cwd=repo, env=env, input=input, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    if check and result.returncode != 0:
+        raise StackError(f"git {' '.join(args)} failed in {repo}:\n{result.stderr.strip()}")
+    return result.stdout
+
+
+def init_upstream_repo(dest: Path) -> None:
+    """Create ``dest`` as a git repository holding the pristine sdist in one tagged commit."""
+    if dest.exists():
+        raise StackError(f"{dest} already exists; remove it first (after exporting any work in it)")
+    extract_sdist(fetch(), dest)
+    git(dest, "init", "--quiet", "--initial-branch=main")
+    (dest / ".git" / "info" / "exclude").write_text("\n".join(UNTRACKED_BUILD_OUTPUTS) + "\n")
+    git(dest, "add", "--all", "--force")
+    git(dest, "commit", "--quiet", "--no-verify", "-m", f"{UPSTREAM_NAME} {UPSTREAM_VERSION} (pristine sdist)")
+    git(dest, "tag", UPSTREAM_TAG)
+    tracked = git(dest, "ls-files", "--", *BUILD_OUTPUTS).split()
+    git(dest, "update-index", "--skip-worktree", *tracked)
+
+
+def apply_patches(repo: Path, patches: list[Patch]) -> None:
+    for patch in patches:
+        if not patch.path.exists():
+            raise StackError(f"{patch.path} is listed in {SERIES_FILE.name} but missing")
+        result = subprocess.run(["git", *_GIT_CONFIG, "am", "--quiet", "--keep", "--keep-cr", str(patch.path)],
+                                cwd=repo, env={**os.environ, **_GIT_ENV}, text=True, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT)
+        if result.returncode != 0:
+            git(repo, "am", "--abort", check=False)
+            raise StackError(f"PR {patch.index} ({patch.path.name}) does not apply:\n{result.stdout.strip()}")
+        git(repo, "tag", "--force", patch.name)
+
+
+def stack_commits(repo: Path) -> list[str]:
+    return git(repo, "rev-list", "--reverse", f"{UPSTREAM_TAG}..HEAD").split()
+
+
+def render_patch(repo: Path, commit: str) -> bytes:
+    """One commit as a patch: LF line endings and exactly one final newline."""
+    text = git(repo, *_FORMAT_PATCH, f"{commit}~1..{commit}")
+    return (text.replace("\r\n", "\n").rstrip("\n") + "\n").encode("utf-8")
+
+
+def commit_subject(repo: Path, commit: str) -> str:
+    return git(repo, "log", "-1", "--format=%s", commit).strip()
+
+
+# --------------------------------------------------------------------------------------------
+# Commands
+# --------------------------------------------------------------------------------------------
+
+
+def materialize(dest: Path = TREE_DIR, upto: int | None = None) -> Path:
+    """Build the editable repository: pristine commit (tagged ``upstream``) plus one commit per PR."""
+    patches = select(read_series(), upto)
+    init_upstream_repo(dest)
+    apply_patches(dest, patches)
+    return dest
+
+
+def squash_fixups(repo: Path) -> None:
+    """Fold ``git commit --fixup=<pr-tag>`` commits into their PR, the way to edit a PR in place."""
+    subjects = [commit_subject(repo, c) for c in stack_commits(repo)]
+    if any(s.startswith(("fixup! ", "squash! ", "amend! ")) for s in subjects):
+        env = {**os.environ, "GIT_SEQUENCE_EDITOR": "true", "GIT_EDITOR": "true"}
+        result = subprocess.run(["git", *_GIT_CONFIG, "rebase", "--quiet", "-i", "--autosquash", UPSTREAM_TAG],
+                                cwd=repo, env={**env, **_GIT_ENV}, text=True, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT)
+        if result.returncode != 0:
+            raise StackError(f"folding fixup commits failed; resolve the rebase in {repo}:\n{result.stdout}")
+
+
+def export_patches(repo: Path, out_dir: Path, patches: list[Patch]) -> list[Patch]:
+    """Write one patch per commit above ``upstream`` into ``out_dir``; return the updated index."""
+    commits = stack_commits(repo)
+    if len(commits) != len(patches):
+        raise StackError(f"{repo} has {len(commits)} commits above '{UPSTREAM_TAG}' but {SERIES_FILE} lists "
+                         f"{len(patches)} PRs. Commit edits with `git commit --fixup=<pr-short-name>`, or add a "
+                         f"line to the series file for a new PR.")
+    exported = []
+    for patch, commit in zip(patches, commits):
+        patch = Patch(patch.index, patch.name, commit_subject(repo, commit))
+        _write_bytes(out_dir / f"{patch.name}.patch", render_patch(repo, commit))
+        exported.append(patch)
+    return exported
+
+
+def export(repo: Path = TREE_DIR) -> list[Patch]:
+    """Regenerate ``patches/`` from the materialized repository (and retag its commits)."""
+    if not (repo / ".git").exists():
+        raise StackError(f"{repo} is not materialized; run `stack.py materialize` first")
+    if git(repo, "status", "--porcelain"):
+        raise StackError(f"{repo} has uncommitted changes; commit them (e.g. --fixup=<pr>) before exporting")
+    squash_fixups(repo)
+    patches = export_patches(repo, PATCHES_DIR, read_series())
+    for patch, commit in zip(patches, stack_commits(repo)):
+        git(repo, "tag", "--force", patch.name, commit)
+    listed = {p.path.name for p in patches}
+    for stale in PATCHES_DIR.glob("*.patch"):
+        if stale.name not in listed:
+            stale.unlink()
+    write_series(patches)
+    return patches
+
+
+def check(repo: Path = TREE_DIR) -> list[str]:
+    """Return the problems found: patches that do not apply, unexported or uncommitted work."""
+    patches = read_series()
+    problems = []
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            init_upstream_repo(Path(tmp) / "tree")
+            apply_patches(Path(tmp) / "tree", patches)
+        except StackError as err:
+            problems.append(str(err))
+    if not (repo / ".git").exists():
+        return problems
+    status = git(repo, "status", "--porcelain")
+    if status:
+        problems.append(f"uncommitted changes in {repo}:\n{status.rstrip()}")
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            exported = export_patches(repo, Path(tmp), patches)
+        except StackError as err:
+            problems.append(f"unexported commits: {err}")
+        else:
+            for patch in exported:
+                if (Path(tmp) / patch.path.name).read_bytes() != _read_bytes(patch.path):
+                    problems.append(f"PR {patch.index} ({patch.name}) in {repo} differs from {patch.path}: "
+                                    f"run `stack.py export`")
+                if patch.title != patches[patch.index - 1].title:
+                    problems.append(f"title of PR {patch.index} differs from {SERIES_FILE.name}: run `stack.py export`")
+    return problems
+
+
+def build_env(upto: int) -> dict[str, str]:
+    """Environment for DeepSpeed's setup.py: JIT ops only and a version naming the series prefix."""
+    return {**os.environ, "DS_BUILD_OPS": os.environ.get("DS_BUILD_OPS", "0"), "DS_BUILD_STRING": f"+{SERIES_TAG}.{upto}"}
+
+
+def prefix_tree(upto: int) -> Path:
+    """A fresh tree with the first ``upto`` PRs applied, under ``build/`` (ignored)."""
+    dest = PREFIX_DIR / f"deepspeed-upto-{upto}"
+    if dest.exists():
+        shutil.rmtree(dest)
+    materialize(dest, upto)
+    return dest
+
+
+def install(upto: int | None, editable: bool) -> str:
+    """pip-install the tree patched up to PR ``upto`` (default: the materialized development tree)."""
+    if upto is None:
+        tree = TREE_DIR if (TREE_DIR / ".git").exists() else materialize()
+        upto = len(stack_commits(tree))
+    else:
+        select(read_series(), upto)
+        tree = prefix_tree(upto)
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check"]
+    subprocess.run([*pip, "uninstall", "--yes", "--quiet", UPSTREAM_NAME], check=False)
+    cmd = [*pip, "install", "--quiet", *(["--editable"] if editable else []), str(tree)]
+    if subprocess.run(cmd, env=build_env(upto)).returncode != 0:
+        raise StackError(f"pip install of {tree} failed")
+    return version_for(upto)
+
+
+# --------------------------------------------------------------------------------------------
+# Small file helpers
+# --------------------------------------------------------------------------------------------
+
+
+def _write_bytes(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+
+
+def _write_text(path: Path, text: str) -> None:
+    _write_bytes(path, text.encode("utf-8"))
+
+
+def _read_bytes(path: Path) -> bytes:
+    return path.read_bytes() if path.exists() else b""
+
+
+# --------------------------------------------------------------------------------------------
+# CLI
+# --------------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="stack.py", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("fetch", help=f"download and verify {SDIST_NAME} (or use ${SDIST_ENV})")
+    p = sub.add_parser("materialize", help=f"create {TREE_DIR.name}/: upstream + one commit per PR")
+    p.add_argument("--upto", type=int, help="apply only the first K PRs")
+    p.add_argument("--force", action="store_true", help="replace an existing tree (its unexported work is lost)")
+    sub.add_parser("export", help=f"regenerate patches/ from {TREE_DIR.name}/")
+    sub.add_parser("check", help="patches apply in order; the materialized tree has nothing unexported")
+    p = sub.add_parser("install", help="pip-install DeepSpeed patched up to PR K")
+    p.add_argument("--upto", type=int, help="install a fresh tree with the first K PRs (default: the dev tree)")
+    p.add_argument("--editable", action=argparse.BooleanOptionalAction, default=None,
+                   help="editable install (default: editable for the dev tree, not for --upto)")
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "fetch":
+            print(fetch())
+        elif args.command == "materialize":
+            if args.force and TREE_DIR.exists():
+                shutil.rmtree(TREE_DIR)
+            tree = materialize(TREE_DIR, args.upto)
+            print(f"materialized {len(stack_commits(tree))} PR(s) on '{UPSTREAM_TAG}' in {tree}")
+        elif args.command == "export":
+            patches = export()
+            print(f"exported {len(patches)} PR(s) to {PATCHES_DIR}")
+        elif args.command == "check":
+            problems = check()
+            if problems:
+                print("stack check failed:\n- " + "\n- ".join(problems), file=sys.stderr)
+                return 1
+            print(f"stack check passed: {len(read_series())} PR(s) apply to {SDIST_NAME}; nothing unexported")
+        elif args.command == "install":
+            editable = args.editable if args.editable is not None else args.upto is None
+            print(f"installed {UPSTREAM_NAME} {install(args.upto, editable)}")
+    except StackError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
