@@ -1,0 +1,267 @@
+"""Tests of the multi-rank harness itself (tooling, PR 0). Each runs in seconds."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as tdist
+
+from harness import RankError, RankTimeout, run_on_ranks
+from harness.pools import live_pids
+
+TESTS_DIR = Path(__file__).resolve().parent.parent
+
+# -- bodies (module level: ranks import them by name) ------------------------------------------
+
+
+def _allreduce_rank_plus_one() -> tuple[int, int, float]:
+    t = torch.tensor([float(tdist.get_rank() + 1)])
+    tdist.all_reduce(t)
+    return tdist.get_rank(), tdist.get_world_size(), t.item()
+
+
+class Payload:
+    """Defined in the test module: crosses the socket by reference in both directions."""
+
+    def __init__(self, rank: int, scale: float) -> None:
+        self.rank, self.scale = rank, scale
+
+
+def _echo(scale: float, payload: Payload, *, offset: int = 0) -> Payload:
+    return Payload(tdist.get_rank() + offset, scale * payload.scale)
+
+
+def _rank_env() -> dict[str, str | bool]:
+    keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE", "MASTER_ADDR", "DS_ACCELERATOR")
+    env: dict[str, str | bool] = {k: os.environ.get(k, "") for k in keys}
+    env["initialized"] = tdist.is_initialized()
+    return env
+
+
+def _random_draw() -> list[float]:
+    return torch.rand(3).tolist()
+
+
+def _pid() -> int:
+    return os.getpid()
+
+
+def _fail_on_rank1() -> int:
+    if tdist.get_rank() == 1:
+        print("rank 1 about to divide")
+        return 1 // 0
+    return tdist.get_rank()
+
+
+def _fail_on_rank1_while_peers_wait() -> None:
+    if tdist.get_rank() == 1:
+        raise ValueError("rank 1 gave up before the collective")
+    tdist.all_reduce(torch.ones(1))  # rank 0 blocks here forever
+
+
+def _hang_on_rank1() -> None:
+    if tdist.get_rank() == 1:
+        while True:
+            time.sleep(0.05)
+
+
+def _die_on_rank1() -> None:
+    if tdist.get_rank() == 1:
+        os._exit(7)
+
+
+def _skip_everywhere() -> None:
+    pytest.skip("feature not available on this backend")
+
+
+def _skip_on_rank1() -> None:
+    if tdist.get_rank() == 1:
+        pytest.skip("only rank 1 lacks it")
+
+
+def _deepspeed_initialize_step() -> float:
+    deepspeed = pytest.importorskip("deepspeed")
+    import deepspeed.comm as ds_comm
+
+    assert ds_comm.is_initialized()
+    model = torch.nn.Linear(4, 2)
+    config = {"train_batch_size": tdist.get_world_size(), "gradient_clipping": 0.0}
+    engine, _, _, _ = deepspeed.initialize(model=model,
+                                           optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                           config=config)
+    loss = engine(torch.ones(1, 4)).sum()
+    engine.backward(loss)
+    engine.step()
+    return float(engine.module.weight.sum())
+
+
+# -- tests -------------------------------------------------------------------------------------
+# Tests that break a pool use torch-only pools (init=TORCH): restarting them costs ~1 s, not the
+# ~10 s of importing DeepSpeed on W ranks; the failure handling is the same code.
+
+TORCH = "torch"
+
+
+@pytest.mark.world_size(1, 2, 4)
+def test_allreduce(dist):
+    w = dist.world_size
+    assert dist.run(_allreduce_rank_plus_one) == [(r, w, w * (w + 1) / 2) for r in range(w)]
+
+
+@pytest.mark.world_size(2)
+def test_results_come_back_per_rank(dist):
+    results = dist.run(_echo, 2.0, Payload(-1, 3.0), offset=10)
+    assert [(p.rank, p.scale) for p in results] == [(10, 6.0), (11, 6.0)]
+    assert all(isinstance(p, Payload) for p in results)
+
+
+@pytest.mark.world_size(2)
+def test_rank_environment(dist):
+    cpu = not torch.cuda.is_available()
+    for rank, env in enumerate(dist.run(_rank_env)):
+        assert env["RANK"] == env["LOCAL_RANK"] == str(rank)
+        assert env["WORLD_SIZE"] == env["LOCAL_SIZE"] == "2"
+        assert env["MASTER_ADDR"] == "127.0.0.1"
+        assert env["initialized"] is True
+        if cpu:
+            assert env["DS_ACCELERATOR"] == "cpu"
+
+
+@pytest.mark.world_size(2)
+def test_same_seed_on_every_rank(dist):
+    torch.manual_seed(dist.seed)
+    expected = torch.rand(3).tolist()
+    assert dist.run(_random_draw) == [expected, expected]
+    assert dist.run(_random_draw) == [expected, expected]  # reseeded before each run
+
+
+def test_failure_names_rank_and_shows_its_traceback():
+    before = run_on_ranks(_pid, 2, init=TORCH)
+    with pytest.raises(RankError) as info:
+        run_on_ranks(_fail_on_rank1, 2, init=TORCH)
+    message = str(info.value)
+    assert message.startswith("rank 1 of 2 failed: ZeroDivisionError")
+    assert "===== rank 1 traceback =====" in message
+    assert "in _fail_on_rank1" in message and "return 1 // 0" in message
+    assert "rank 1 about to divide" in message  # the rank's output tail
+    assert "rank 0 traceback" not in message
+    assert info.value.failed_ranks == [1]
+    assert set(run_on_ranks(_pid, 2, init=TORCH)).isdisjoint(before), "pool was reused after a failure"
+
+
+def test_failed_rank_takes_waiting_peers_down():
+    t0 = time.monotonic()
+    with pytest.raises(RankError) as info:
+        run_on_ranks(_fail_on_rank1_while_peers_wait, 2, init=TORCH, timeout=60)
+    assert time.monotonic() - t0 < 20, "peers were not killed within the grace period"
+    message = str(info.value)
+    assert message.startswith("rank 1 of 2 failed: ValueError: rank 1 gave up")
+    assert "rank 0: killed" in message and "===== rank 0 stacks when killed =====" in message
+    assert "_fail_on_rank1_while_peers_wait" in message.split("rank 0 stacks when killed")[1]
+
+
+def test_dead_rank_is_reported():
+    with pytest.raises(RankError, match=r"^rank 1 of 2 failed: rank process died \(exit code 7\)"):
+        run_on_ranks(_die_on_rank1, 2, init=TORCH)
+    assert live_pids(2, TORCH) == []
+
+
+@pytest.mark.rank_timeout(2)  # applies to direct run_on_ranks calls too
+def test_hang_is_killed_and_next_run_gets_fresh_pool():
+    before = run_on_ranks(_pid, 2, init=TORCH)
+    t0 = time.monotonic()
+    with pytest.raises(RankTimeout) as info:
+        run_on_ranks(_hang_on_rank1, 2, init=TORCH)
+    assert time.monotonic() - t0 < 10
+    message = str(info.value)
+    assert message.startswith("timed out after 2 s: rank 1 of 2 did not finish")
+    stacks = message.split("===== rank 1 stacks when killed =====")[1]
+    assert "in _hang_on_rank1" in stacks
+    assert live_pids(2, TORCH) == []
+    after = run_on_ranks(_pid, 2, init=TORCH)
+    assert set(after).isdisjoint(before)
+
+
+def test_unanimous_skip_skips():
+    with pytest.raises(pytest.skip.Exception, match="all 2 ranks skipped: feature not available"):
+        run_on_ranks(_skip_everywhere, 2, init=TORCH)
+    assert live_pids(2, TORCH), "a unanimous skip must not discard the pool"
+
+
+def test_disagreeing_skip_fails_naming_ranks():
+    with pytest.raises(RankError,
+                       match=r"skips disagree: rank 1 of 2 skipped \('only rank 1 lacks it'\) "
+                       r"but rank 0 did not"):
+        run_on_ranks(_skip_on_rank1, 2, init=TORCH)
+
+
+def test_bodies_must_be_importable():
+    with pytest.raises(TypeError, match="module-level"):
+        run_on_ranks(lambda: 0, 1, init=TORCH)
+    with pytest.raises(TypeError, match="not picklable"):
+        run_on_ranks(_echo, 1, lambda: 0, init=TORCH)
+
+
+@pytest.mark.world_size(2)
+def test_deepspeed_finds_group_initialised(dist):
+    weights = dist.run(_deepspeed_initialize_step)
+    assert weights[0] == weights[1]
+
+
+def test_pytest_integration(tmp_path):
+    """End to end in a child pytest: markers, --upto, --world-sizes, failure and skip reports."""
+    shutil.copy(TESTS_DIR / "conftest.py", tmp_path / "conftest.py")
+    shutil.copytree(TESTS_DIR / "harness", tmp_path / "harness", ignore=shutil.ignore_patterns("__pycache__"))
+    (tmp_path / "test_sample.py").write_text(
+        textwrap.dedent("""
+        import pytest
+        import torch.distributed as tdist
+
+        def _rank():
+            return tdist.get_rank()
+
+        def _boom():
+            if tdist.get_rank() == 1:
+                raise KeyError("only on rank one")
+
+        def _skip():
+            pytest.skip("not here")
+
+        @pytest.mark.world_size(1, 2, 4)
+        def test_ranks(dist):
+            assert dist.run(_rank) == list(range(dist.world_size))
+
+        @pytest.mark.pr(1)
+        @pytest.mark.world_size(2)
+        def test_boom(dist):
+            dist.run(_boom)
+
+        @pytest.mark.pr(2)
+        def test_skip(dist):
+            dist.run(_skip)
+
+        @pytest.mark.pr(3)
+        def test_later_pr():
+            pass
+    """))
+    cmd = [
+        sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-rs", "--upto", "2", "--world-sizes", "1,2",
+        str(tmp_path)
+    ]
+    env = dict(os.environ, DS_HARNESS_INIT="torch")
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out
+    assert "1 failed, 2 passed, 1 skipped, 2 deselected" in out, out
+    assert "rank 1 of 2 failed: KeyError: 'only on rank one'" in out
+    assert "===== rank 1 traceback =====" in out and "in _boom" in out
+    assert "all 2 ranks skipped: not here" in out
+    assert "PytestUnknownMarkWarning" not in out
