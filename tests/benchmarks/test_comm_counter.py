@@ -1,0 +1,147 @@
+"""The benchmark's collective counter counts exactly, on 1 and 2 ranks (no timing is asserted).
+
+* Direct calls through ``deepspeed.comm``, however the op was imported: exact calls and bytes per op;
+  paused calls are not counted; uninstalling restores the backend.
+* The benchmark's own trial (:func:`benchmarks.trial.run_trial`) on a tiny ZeRO-0 model, N = 2:
+  each logical step is exactly one all_reduce of all gradients (4 bytes per fp32 parameter, one
+  bucket) plus one all_reduce of the 4-byte gradient norm (gradient clipping); the non-boundary
+  micro-step sends nothing.
+* ZeRO 1, 2 and 3: the counter agrees call for call with DeepSpeed's own comms logger.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+# The ranks import `benchmarks` from the repository root (tests/conftest.py puts tests/ on the path).
+_ROOT = str(Path(__file__).resolve().parents[2])
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+
+pytestmark = pytest.mark.pr(1)
+
+
+# -- bodies run on every rank ------------------------------------------------------------------------------
+def direct_calls_body():
+    import torch
+    from deepspeed import comm as dist
+    import deepspeed.comm.comm as ds_comm
+    from deepspeed.comm import all_to_all_single  # imported by name, as ZeRO's coalesced collectives do
+    from benchmarks.comm_counter import CommCounter
+
+    world = dist.get_world_size()
+    with CommCounter() as counter:
+        dist.all_reduce(torch.ones(10))
+        dist.all_reduce(torch.ones(6, dtype=torch.float64))
+        dist.broadcast(torch.zeros(3, dtype=torch.int64), src=0)
+        dist.allgather_fn(torch.empty(4 * world), torch.ones(4))
+        dist.reduce_scatter_fn(torch.empty(2), torch.ones(2 * world))
+        all_to_all_single(torch.empty(2 * world), torch.ones(2 * world))
+        dist.barrier()
+        with counter.paused():
+            dist.barrier()
+            dist.all_reduce(torch.ones(1000))
+        counted = counter.snapshot()
+    dist.all_reduce(torch.ones(1))
+    after = counter.snapshot()
+    restored = not any(name in vars(ds_comm.cdb) for name in ("all_reduce", "broadcast", "barrier"))
+    return {"world": world, "counted": counted, "after": after, "restored": restored}
+
+
+def trial_body(mode: str):
+    from benchmarks.model import TINY
+    from benchmarks.trial import run_trial
+
+    spec = {
+        "device": "cpu",
+        "backend": "gloo",
+        "timeout_s": 120,
+        "size": TINY.as_dict(),
+        "configuration": "z0",
+        "mode": mode,
+        "n_micro": 2,
+        "dtype": "fp32",
+        "seed": 1234,
+        "warmup_steps": 1,
+        "measure_steps": 2,
+        "threads": 1,
+    }
+    return run_trial(spec)
+
+
+def comms_logger_body(stage: int):
+    import deepspeed
+    from deepspeed import comm as dist
+    from benchmarks import configs
+    from benchmarks.comm_counter import CommCounter
+    from benchmarks.model import TINY, build_model, micro_batches
+
+    configuration = next(c for c in configs.CONFIGURATIONS if c.stage == stage and c.offload == "none")
+    config = configs.ds_config(configuration, configs.MANAGED, 2, TINY.micro_batch, dist.get_world_size(),
+                               bucket_elements=1000)
+    config["comms_logger"] = {"enabled": True, "prof_all": True, "verbose": False}
+    model = build_model(TINY)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    batches = micro_batches(TINY, dist.get_rank(), 2, 2)
+    try:
+        configs.managed_step(engine, batches[0], 2)  # warm-up: the first step may set things up
+        dist.barrier()
+        dist.comms_logger.comms_dict.clear()
+        with CommCounter() as counter:
+            configs.managed_step(engine, batches[1], 2)
+            ours = counter.snapshot()
+        logged = {}
+        for name, by_size in dist.comms_logger.comms_dict.items():
+            logged[name] = sum(record[0] for record in by_size.values())
+    finally:
+        dist.configure(enabled=False, prof_all=False)
+        dist.comms_logger.comms_dict.clear()
+    return {"ours": ours, "logged": logged}
+
+
+# -- tests ------------------------------------------------------------------------------------------------
+@pytest.mark.world_size(1, 2)
+def test_direct_calls_are_counted_exactly(dist):
+    for result in dist.run(direct_calls_body):
+        w = result["world"]
+        assert w == dist.world_size
+        assert result["counted"] == {
+            "all_reduce": {"calls": 2, "bytes": 10 * 4 + 6 * 8},
+            "broadcast": {"calls": 1, "bytes": 3 * 8},
+            "all_gather_into_tensor": {"calls": 1, "bytes": 4 * w * 4},  # the gathered output
+            "reduce_scatter_tensor": {"calls": 1, "bytes": 2 * w * 4},  # the full input
+            "all_to_all_single": {"calls": 1, "bytes": 2 * w * 4},
+            "barrier": {"calls": 1, "bytes": 0},
+        }
+        assert result["after"] == result["counted"], "a collective after uninstall() was counted"
+        assert result["restored"]
+
+
+@pytest.mark.world_size(1, 2)
+@pytest.mark.parametrize("mode", ["managed", "toggle", "unmanaged"])
+def test_zero0_trial_counts_one_gradient_allreduce_per_step(dist, mode):
+    results = dist.run(trial_body, mode)
+    if {r["status"] for r in results} == {"unsupported"}:
+        pytest.skip(results[0]["reason"])
+    for result in results:
+        assert result["status"] == "ok", result.get("traceback") or result
+        params = result["parameters"]
+        expected = {"all_reduce": {"calls": 2, "bytes": 4 * params + 4}}
+        assert result["counts"] == [expected, expected]
+        assert result["warmup_counts"] == [expected]
+        assert result["global_steps"] == 3  # one optimizer update per logical step
+
+
+@pytest.mark.world_size(2)
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_counter_agrees_with_deepspeed_comms_logger(dist, stage):
+    aliases = {"inference_all_reduce": "all_reduce", "all_reduce_coalesced": "all_reduce"}
+    for result in dist.run(comms_logger_body, stage):
+        ours = {}
+        for op, entry in result["ours"].items():
+            ours[aliases.get(op, op)] = ours.get(aliases.get(op, op), 0) + entry["calls"]
+        assert ours, "a ZeRO step with 2 ranks must communicate"
+        assert ours == result["logged"]

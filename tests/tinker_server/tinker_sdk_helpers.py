@@ -1,0 +1,189 @@
+"""Shared by the end-to-end tests: raw HTTP on loopback, random data, a plain-PyTorch replay."""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import json
+import os
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from examples.tinker_server.api import checkpoint_dir, parse_tinker_path
+from examples.tinker_server.model import LoraSpec, build_model, cross_entropy_sum, token_logprobs
+from examples.tinker_server.worker import WEIGHTS_FILE
+
+def require(module: str) -> Any:
+    """Import a dependency from requirements/tinker-server.txt: skip without it, but fail in CI,
+    where a skip would hide a missing install step."""
+    if os.environ.get("CI"):
+        return importlib.import_module(module)
+    return pytest.importorskip(module, reason="install requirements/tinker-server.txt")
+
+
+API_KEY = "tml-test"
+RESULT_TIMEOUT_S = 120
+#: Generous: a loaded 2-core machine can take a minute to import torch and DeepSpeed on 2 ranks.
+START_TIMEOUT_S = 300
+STOP_TIMEOUT_S = 120
+
+
+@functools.lru_cache(maxsize=None)
+def unmanaged_stage_supported(stage: int) -> bool:
+    """Whether the installed DeepSpeed accepts the server's config at this ZeRO stage."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    from deepspeed.runtime.config import DeepSpeedConfig, DeepSpeedConfigError
+
+    from examples.tinker_server.worker import ds_config
+
+    try:
+        DeepSpeedConfig(ds_config(stage))
+    except DeepSpeedConfigError:
+        return False
+    return True
+
+
+def start_server(tmp_dir: Path, zero_stage: int, checkpoint_dir: Path | None = None):
+    """A 2-rank server on loopback with short long-polls; the caller stops it (by PID)."""
+    from examples.tinker_server.launch import ServerProcess
+
+    server = ServerProcess(world_size=2, zero_stage=zero_stage, checkpoint_dir=checkpoint_dir or tmp_dir / "ckpt",
+                           extra_args=["--max-chunk-datums", "4", "--long-poll-s", "1"],
+                           log_path=tmp_dir / f"server-zero{zero_stage}.log")
+    try:
+        server.start(timeout_s=START_TIMEOUT_S)
+    except Exception as e:
+        raise RuntimeError(f"{e}\n--- {server.log_path} ---\n{log_tail(server)}") from None
+    return server
+
+
+def log_tail(server, lines: int = 40) -> str:
+    try:
+        return "\n".join(server.log_path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+def stop_server(server) -> None:
+    """Stop by PID; a server that does not exit 0 fails the test, with its log."""
+    code = server.stop(timeout_s=STOP_TIMEOUT_S)
+    assert code == 0, f"server did not stop cleanly (exit {code})\n--- {server.log_path} ---\n{log_tail(server)}"
+
+
+def post(base_url: str, route: str, body: bytes | dict, **headers: str) -> dict[str, Any]:
+    """POST to the server directly, as a client other than the SDK would (or a retrying one)."""
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    content_type = "application/x-protobuf" if isinstance(body, bytes) else "application/json"
+    request = urllib.request.Request(f"{base_url}/api/v1/{route}", data=data, method="POST",
+                                     headers={"X-API-Key": API_KEY, "Content-Type": content_type, **headers})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return json.loads(response.read())
+    except urllib.error.HTTPError as e:
+        return {"http_status": e.code, **json.loads(e.read() or b"{}")}
+
+
+def poll_once(base_url: str, request_id: str) -> dict[str, Any]:
+    return post(base_url, "retrieve_future", {"request_id": request_id})
+
+
+def result(base_url: str, request_id: str, timeout_s: float = RESULT_TIMEOUT_S) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        reply = poll_once(base_url, request_id)
+        if reply.get("type") != "try_again":
+            return reply
+        assert time.monotonic() < deadline, f"{request_id} still pending after {timeout_s} s"
+
+
+def random_data(rng: np.random.Generator, n: int, vocab: int = 256) -> list[tuple[list[int], list[int], list[float]]]:
+    """(tokens, targets, weights) with varied lengths; some weights 0, some above 1."""
+    data = []
+    for _ in range(n):
+        length = int(rng.integers(3, 14))
+        data.append((rng.integers(0, vocab, length).tolist(), rng.integers(0, vocab, length).tolist(),
+                     rng.choice([0.0, 0.5, 1.0, 2.0], length).astype(float).tolist()))
+    return data
+
+
+def to_sdk(data: list[tuple[list[int], list[int], list[float]]]) -> list:
+    from tinker import types
+
+    return [types.Datum(model_input=types.ModelInput.from_ints(tokens),
+                        loss_fn_inputs={"target_tokens": targets, "weights": weights})
+            for tokens, targets, weights in data]
+
+
+def fwdbwd_proto(model_id: str, seq_id: int, data: list, *, loss_fn: str = "cross_entropy",
+                 forward_only: bool = False) -> bytes:
+    """A ForwardBackwardRequest body exactly as the SDK would encode it."""
+    from tinker import types
+    from tinker.proto.request_conv import forward_backward_request_to_proto
+
+    request = types.ForwardBackwardRequest(
+        forward_backward_input=types.ForwardBackwardInput(data=to_sdk(data), loss_fn=loss_fn),
+        model_id=model_id, seq_id=seq_id)
+    msg = forward_backward_request_to_proto(request)
+    msg.forward_only = forward_only
+    return msg.SerializeToString()
+
+
+def adam(**overrides: float) -> dict[str, float]:
+    params = {"learning_rate": 1e-2, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.0,
+              "grad_clip_norm": 0.0}
+    params.update(overrides)
+    return params
+
+
+class PlainReplay:
+    """Single-process plain PyTorch: the same sums and AdamW steps the server should have applied."""
+
+    def __init__(self, base_model: str, lora: LoraSpec | None) -> None:
+        self.model = build_model(base_model, lora)
+        self.initial = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.params, lr=1e-3)
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def forward_backward(self, data: list, backward: bool = True) -> tuple[list[np.ndarray], float]:
+        """Per-datum logprobs and the call's loss sum; the gradient of that sum is accumulated."""
+        logprobs, total = [], 0.0
+        for tokens, targets, weights in data:
+            with torch.set_grad_enabled(backward):
+                lp = token_logprobs(self.model, torch.tensor([tokens]), torch.tensor([targets]))[0]
+                loss = cross_entropy_sum(lp, torch.tensor(weights, dtype=torch.float32))
+            if backward:
+                loss.backward()
+            logprobs.append(lp.detach().numpy())
+            total += float(loss.detach())
+        return logprobs, total
+
+    def optim_step(self, params: dict[str, float]) -> None:
+        for group in self.optimizer.param_groups:
+            group.update(lr=params["learning_rate"], betas=(params["beta1"], params["beta2"]), eps=params["eps"],
+                         weight_decay=params["weight_decay"])
+        if params["grad_clip_norm"] > 0:
+            torch.nn.utils.clip_grad_norm_(self.params, params["grad_clip_norm"])
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach() for k, v in self.model.state_dict().items()}
+
+
+def saved_weights(checkpoint_root: Path, tinker_path: str) -> dict[str, torch.Tensor]:
+    """The consolidated weights a ``save_weights`` wrote next to its DeepSpeed checkpoint."""
+    model_id, name = parse_tinker_path(tinker_path)
+    return torch.load(checkpoint_dir(checkpoint_root, model_id, name) / WEIGHTS_FILE, map_location="cpu")
+
+
+def max_weight_difference(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> float:
+    assert sorted(actual) == sorted(expected), "the saved model has other parameters than the replay"
+    return max(float((actual[k].float() - expected[k].float()).abs().max()) for k in expected)
