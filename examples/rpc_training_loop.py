@@ -59,6 +59,9 @@ def rank_main(rank: int, world_size: int, port: int, steps: int) -> None:
     import deepspeed
     from deepspeed.utils import logger
     logger.setLevel("WARNING")
+    # DeepSpeed's CPU shared-memory all-reduce op serves inference only and never unlinks its 64 MiB
+    # /dev/shm buffer per rank: keep it out of these gloo ranks.
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     deepspeed.init_distributed(dist_backend="gloo")
 
     unmanaged, managed = make_engine(managed=False), make_engine(managed=True)

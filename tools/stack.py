@@ -91,8 +91,9 @@ def version_for(upto: int) -> str:
 # --------------------------------------------------------------------------------------------
 
 
-def read_series(series_file: Path = SERIES_FILE) -> list[Patch]:
+def read_series(series_file: Path | None = None) -> list[Patch]:
     """Parse ``patches/series``: one ``<short-name> <title>`` line per PR, in stack order."""
+    series_file = series_file or SERIES_FILE
     patches = []
     for line in series_file.read_text(encoding="utf-8").splitlines():
         line = line.strip()
@@ -106,8 +107,9 @@ def read_series(series_file: Path = SERIES_FILE) -> list[Patch]:
     return patches
 
 
-def write_series(patches: list[Patch], series_file: Path = SERIES_FILE) -> None:
+def write_series(patches: list[Patch], series_file: Path | None = None) -> None:
     """Rewrite the index, keeping its header comments."""
+    series_file = series_file or SERIES_FILE
     header = [l for l in series_file.read_text(encoding="utf-8").splitlines() if l.startswith("#")]
     body = [f"{p.name} {p.title}" for p in patches]
     _write_text(series_file, "\n".join(header + body) + "\n")
@@ -135,6 +137,8 @@ def sha256_of(path: Path) -> str:
 
 
 def verify_sdist(path: Path, expected: str = UPSTREAM_SHA256) -> Path:
+    if not path.is_file():
+        raise StackError(f"{path} does not exist (set ${SDIST_ENV} to a local {SDIST_NAME}, or unset it)")
     actual = sha256_of(path)
     if actual != expected:
         raise StackError(f"sha256 mismatch for {path}:\n  expected {expected}\n  actual   {actual}\n"
@@ -253,8 +257,9 @@ def commit_subject(repo: Path, commit: str) -> str:
 # --------------------------------------------------------------------------------------------
 
 
-def materialize(dest: Path = TREE_DIR, upto: int | None = None) -> Path:
+def materialize(dest: Path | None = None, upto: int | None = None) -> Path:
     """Build the editable repository: pristine commit (tagged ``upstream``) plus one commit per PR."""
+    dest = dest or TREE_DIR
     patches = select(read_series(), upto)
     init_upstream_repo(dest)
     apply_patches(dest, patches)
@@ -288,8 +293,9 @@ def export_patches(repo: Path, out_dir: Path, patches: list[Patch]) -> list[Patc
     return exported
 
 
-def export(repo: Path = TREE_DIR) -> list[Patch]:
+def export(repo: Path | None = None) -> list[Patch]:
     """Regenerate ``patches/`` from the materialized repository (and retag its commits)."""
+    repo = repo or TREE_DIR
     if not (repo / ".git").exists():
         raise StackError(f"{repo} is not materialized; run `stack.py materialize` first")
     if git(repo, "status", "--porcelain"):
@@ -306,8 +312,9 @@ def export(repo: Path = TREE_DIR) -> list[Patch]:
     return patches
 
 
-def check(repo: Path = TREE_DIR) -> list[str]:
+def check(repo: Path | None = None) -> list[str]:
     """Return the problems found: patches that do not apply, unexported or uncommitted work."""
+    repo = repo or TREE_DIR
     patches = read_series()
     problems = []
     with tempfile.TemporaryDirectory() as tmp:

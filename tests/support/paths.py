@@ -116,6 +116,34 @@ class TinyMoE(torch.nn.Module):
         return self.fc2(h)
 
 
+class BranchyMLP(torch.nn.Module):
+    """An extra layer used only by some micro-batches (the same ones on every rank): a branch not taken."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = torch.nn.Linear(FEATURES, HIDDEN)
+        self.branch = torch.nn.Linear(HIDDEN, HIDDEN)
+        self.fc2 = torch.nn.Linear(HIDDEN, OUTPUTS)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.nn.functional.gelu(self.fc1(x))
+        if self.take_branch:
+            h = h + self.branch(h)
+        return self.fc2(h)
+
+    @property
+    def take_branch(self) -> bool:
+        from .training import current_micro_batch
+
+        step, index = current_micro_batch()
+        return (step + index) % 3 == 1
+
+
+def make_branchy_model() -> torch.nn.Module:
+    torch.manual_seed(1234)
+    return BranchyMLP()
+
+
 def make_moe_model() -> torch.nn.Module:
     import deepspeed.comm as dist
 
@@ -126,7 +154,7 @@ def make_moe_model() -> torch.nn.Module:
 WARMUP = {"scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-2, "warmup_num_steps": 4}}}
 CLIP = {"gradient_clipping": 0.05}
 
-#: Every optimizer path ZeRO stage 0/1 can take (PR 1), each with clipping and an LR scheduler.
+#: Every optimizer path ZeRO stage 0/1 can take (PR 1), each with clipping and most with an LR scheduler.
 ZERO_0_1_PATHS: dict[str, Path] = {
     "fp32-deepspeed-optimizer": Path(0, "fp32", {**CLIP, **WARMUP}),
     "fp32-client-optimizer": Path(0, "fp32", {**CLIP, "optimizer": None}, client_sgd),
@@ -136,10 +164,40 @@ ZERO_0_1_PATHS: dict[str, Path] = {
     "fp16-static-scale": Path(0, "fp16", {**CLIP, "fp16": {"loss_scale": 64}}, needs_fp16=True),
     "torch-autocast": Path(0, "fp32", {**CLIP, "torch_autocast": {"enabled": True, "dtype": "bfloat16"}}),
     "moe": Path(0, "fp32", CLIP, model_fn=make_moe_model),
+    "branchy": Path(0, "fp32", CLIP, model_fn=make_branchy_model),
     "zero1-fp32": Path(1, "fp32", {**CLIP, **WARMUP}),
     "zero1-bf16-fp32-accumulation": Path(1, "bf16", CLIP),  # BF16_Optimizer
     "zero1-bf16-bf16-accumulation": Path(1, "bf16", {**CLIP, "data_types": {"grad_accum_dtype": "bf16"}}),
     "zero1-fp16": Path(1, "fp16", CLIP, needs_fp16=True),
     "zero1-torch-autocast": Path(1, "fp32", {**CLIP, "torch_autocast": {"enabled": True, "dtype": "bfloat16"}}),
     "zero1-moe": Path(1, "fp32", CLIP, model_fn=make_moe_model),
+    "zero1-branchy": Path(1, "fp32", CLIP, model_fn=make_branchy_model),
 }
+
+
+def _zero2(dtype: str = "fp32", needs_fp16: bool = False, model_fn=make_model, **zero: Any) -> Path:
+    return Path(2, dtype, {**CLIP, **WARMUP, "zero_optimization": zero}, model_fn=model_fn, needs_fp16=needs_fp16)
+
+
+#: ZeRO stage 2 and every option a user can set on it (PR 2).
+ZERO_2_PATHS: dict[str, Path] = {
+    "zero2-fp32": _zero2(),
+    "zero2-overlap-comm": _zero2(overlap_comm=True),
+    "zero2-no-contiguous-gradients": _zero2(contiguous_gradients=False),
+    "zero2-overlap-comm-no-contiguous-gradients": _zero2(overlap_comm=True, contiguous_gradients=False),
+    "zero2-all-reduce": _zero2(reduce_scatter=False),
+    "zero2-round-robin-gradients": _zero2(round_robin_gradients=True),
+    # reduce_bucket_size below fc1.weight's 104 elements takes the "extra large parameter" path
+    "zero2-small-buckets": _zero2(reduce_bucket_size=40, allgather_bucket_size=64),
+    "zero2-small-buckets-overlap-comm": _zero2(reduce_bucket_size=40, allgather_bucket_size=64, overlap_comm=True),
+    "zero2-bf16": _zero2("bf16"),
+    "zero2-bf16-overlap-comm": _zero2("bf16", overlap_comm=True),
+    "zero2-fp16": _zero2("fp16", needs_fp16=True),
+    "zero2-moe": _zero2(model_fn=make_moe_model),
+    "zero2-branchy": _zero2(model_fn=make_branchy_model),
+}
+
+PATHS: dict[str, Path] = {**ZERO_0_1_PATHS, **ZERO_2_PATHS}
+
+#: Dynamic loss-scale fp16 paths, for the overflow-inside-an-accumulation tests.
+FP16_DYNAMIC = ["fp16-fused", "fp16-unfused", "zero1-fp16", "zero2-fp16"]

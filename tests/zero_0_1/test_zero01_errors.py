@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from support.paths import ZERO_0_1_PATHS
+from support.paths import PATHS as ZERO_0_1_PATHS
 from support.training import backward, base_config, destroy, forward_loss, initialize, run_unmanaged
 
 pytestmark = [pytest.mark.pr(1), pytest.mark.world_size(1, 2)]

@@ -1,0 +1,216 @@
+"""Scenarios run on every rank by the per-PR tests: each takes a path name from ``support.paths.PATHS``.
+
+A scenario asserts on the rank itself (a failure names the rank) and compares real parameters, optimizer
+state and bookkeeping bitwise between engines fed the same data.
+"""
+
+import deepspeed.comm as ds_comm
+import pytest
+import torch
+
+from .paths import PATHS
+from .training import (MICRO_BATCH, assert_identical, backward, destroy, forward_loss, run_boundary_driven,
+                       run_managed, run_unmanaged, snapshot)
+
+STEPS = 3
+
+
+def fixed_n_parity(path_name: str, n: int) -> None:
+    path = PATHS[path_name]
+    managed = path.initialize(gas=n, managed=True)
+    run_managed(managed, [n] * STEPS)
+    expected = snapshot(managed)
+    destroy(managed)
+
+    unmanaged = path.initialize(gas=n, managed=False)
+    run_unmanaged(unmanaged, [n] * STEPS)
+    assert unmanaged.global_steps == STEPS
+    assert_identical(expected, snapshot(unmanaged), f"{path_name}, N={n}")
+    destroy(unmanaged)
+
+
+def variable_n_parity(path_name: str, plan: list) -> None:
+    path = PATHS[path_name]
+    managed = path.initialize(gas=1, managed=True)
+    run_boundary_driven(managed, plan)
+    expected = snapshot(managed)
+    destroy(managed)
+
+    unmanaged = path.initialize(gas=1, managed=False)
+    run_unmanaged(unmanaged, plan, divide_by_n=True)
+    # A boundary-driven managed engine counts train_batch_size per step whatever N was; unmanaged counts
+    # the samples of every backward pass.
+    actual = snapshot(unmanaged)
+    assert actual.scalars["global_samples"] == MICRO_BATCH * ds_comm.get_world_size() * sum(plan)
+    assert_identical(expected, actual, f"{path_name}, plan {plan}", ignore={"global_samples"})
+    destroy(unmanaged)
+
+
+def boundary_only_during_step(path_name: str) -> None:
+    path = PATHS[path_name]
+    seen = []
+
+    class RecordingScheduler(torch.optim.lr_scheduler.LambdaLR):
+
+        def step(self, *args, **kwargs):
+            seen.append(engine.is_gradient_accumulation_boundary())
+            if getattr(self, "fail", False):
+                raise RuntimeError("scheduler failure")
+            return super().step(*args, **kwargs)
+
+    engine = path.initialize(gas=2, managed=False, scheduler=None)
+    engine.lr_scheduler = RecordingScheduler(engine.optimizer if not hasattr(engine.optimizer, "optimizer") else
+                                             engine.optimizer.optimizer, lambda _: 1.0)
+    seen.clear()  # LambdaLR steps once on construction
+    assert not engine.is_gradient_accumulation_boundary()
+    run_unmanaged(engine, [2, 1])  # asserts the boundary is false during and after every backward and step
+    assert seen == [True, True]
+
+    engine.lr_scheduler.fail = True
+    backward(engine, forward_loss(engine, 5, 0))
+    with pytest.raises(RuntimeError, match="scheduler failure"):
+        engine.step()
+    assert not engine.is_gradient_accumulation_boundary()
+    assert not engine.optimizer.is_gradient_accumulation_boundary
+    destroy(engine)
+
+
+def bookkeeping(path_name: str, torch_style: bool) -> None:
+    path = PATHS[path_name]
+    engine = path.initialize(gas=2, managed=False, steps_per_print=1)
+    reports = []
+    engine._report_progress = lambda step: reports.append(step)
+    plan = [1, 3, 2]
+    run_unmanaged(engine, plan, torch_style=torch_style)
+    assert engine.global_steps == len(plan)
+    assert engine.global_samples == MICRO_BATCH * ds_comm.get_world_size() * sum(plan)
+    assert engine.was_step_applied()
+    assert engine.lr_scheduler.last_batch_iteration == len(plan) - 1  # WarmupLR steps once per update
+    # steps_per_print keys on step(), not on micro-steps (rank 0 reports)
+    assert reports == ([1, 2, 3] if ds_comm.get_rank() == 0 else [])
+    assert engine.tput_timer.global_step_count == len(plan)
+    destroy(engine)
+
+
+def torch_style_backward_parity(path_name: str) -> None:
+    path = PATHS[path_name]
+    engine_api = path.initialize(gas=3, managed=False)
+    run_unmanaged(engine_api, [3, 1, 2])
+    expected = snapshot(engine_api)
+    destroy(engine_api)
+    torch_api = path.initialize(gas=3, managed=False)
+    run_unmanaged(torch_api, [3, 1, 2], torch_style=True)
+    assert_identical(expected, snapshot(torch_api), "engine.scale(loss).backward() vs engine.backward(loss)")
+    destroy(torch_api)
+
+
+def zero_grad_discards(path_name: str) -> None:
+    path = PATHS[path_name]
+    reference = path.initialize(gas=2, managed=False)
+    run_unmanaged(reference, [2, 2])
+    expected = snapshot(reference)
+    destroy(reference)
+
+    engine = path.initialize(gas=2, managed=False)
+    run_unmanaged(engine, [2])
+    for i in range(3):  # a partial accumulation on other data, then discarded
+        backward(engine, forward_loss(engine, 99, i))
+    engine.zero_grad()
+    with pytest.raises(RuntimeError, match="no backward"):
+        engine.step()  # the discarded backward passes are not pending any more
+    run_unmanaged(engine, [2], first_step=1)
+    assert_identical(expected, snapshot(engine), f"{path_name}: zero_grad() must discard the partial accumulation")
+    destroy(engine)
+
+
+def fp16_overflow_inside_accumulation(path_name: str) -> None:
+    path = PATHS[path_name]
+
+    def drive(engine, managed: bool) -> list:
+        states = []
+        for step in range(3):
+            for i in range(3):
+                loss = forward_loss(engine, step, i)
+                if step == 1 and i == 1:
+                    loss = loss * float("inf")  # one overflowing micro-batch inside the accumulation
+                backward(engine, loss)
+                if managed:
+                    engine.step()
+            if not managed:
+                engine.step()
+            states.append(snapshot(engine))
+        return states
+
+    # No LR warm-up here: its first LR is 0, which would hide whether the step after the skip trains.
+    managed = path.initialize(gas=3, managed=True, scheduler=None)
+    expected = drive(managed, True)
+    destroy(managed)
+    unmanaged = path.initialize(gas=3, managed=False, scheduler=None)
+    actual = drive(unmanaged, False)
+    destroy(unmanaged)
+
+    for e, a in zip(expected, actual):
+        assert_identical(e, a, f"{path_name} with an overflow at step 1")
+    before, skipped, after = actual
+    assert not skipped.scalars["was_step_applied"] and skipped.scalars["skipped_steps"] == 1
+    assert skipped.scalars["loss_scale"] < before.scalars["loss_scale"]
+    assert all(torch.equal(before.params[k], skipped.params[k]) for k in before.params), "skipped step changed params"
+    assert after.scalars["was_step_applied"]
+    assert any(not torch.equal(skipped.params[k], after.params[k]) for k in after.params), "next step did not train"
+
+
+def checkpoint_round_trip(path_name: str, save_dir: str) -> None:
+    path = PATHS[path_name]
+    plan = [2, 3, 1, 2]
+    uninterrupted = path.initialize(gas=2, managed=False)
+    run_unmanaged(uninterrupted, plan)
+    expected = snapshot(uninterrupted)
+    destroy(uninterrupted)
+
+    first = path.initialize(gas=2, managed=False)
+    run_unmanaged(first, plan[:2])
+    backward(first, forward_loss(first, 2, 0))
+    with pytest.raises(RuntimeError, match=r"1 backward pass\(es\)"):
+        first.save_checkpoint(save_dir, tag="pending")
+    first.zero_grad()
+    first.save_checkpoint(save_dir, tag="resume")
+    destroy(first)
+
+    resumed = path.initialize(gas=2, managed=False)
+    resumed.load_checkpoint(save_dir, tag="resume")
+    run_unmanaged(resumed, plan[2:], first_step=2)
+    assert_identical(expected, snapshot(resumed), f"{path_name}: load_checkpoint() then training on")
+    destroy(resumed)
+
+
+def full_batch_reference(path_name: str, plan: list) -> None:
+    """Unmanaged variable-N training against single-process, full-batch plain PyTorch.
+
+    The reference builds the same model, sees every rank's micro-batches of a step as one batch and
+    minimises the mean loss with torch.optim.AdamW; DeepSpeed gets each micro-batch loss divided by N
+    (``scale_wrt_gas=False``) and averages over ranks, which is the same mean. Only the order of the fp32
+    summations differs (per micro-batch, then across ranks, versus one batch), so gradients agree to a
+    few ulps; Adam's normalised update keeps the parameter error near lr * 1e-6, hence rtol 1e-5 and
+    atol 1e-6 after a handful of steps.
+    """
+    from .training import loss_fn, make_model, micro_batch
+
+    path = PATHS[path_name]
+    assert path.model_fn is make_model and path.dtype == "fp32", "the reference is plain fp32 TinyMLP"
+    engine = path.initialize(gas=1, managed=False, gradient_clipping=0.0, scheduler=None)
+    run_unmanaged(engine, plan, divide_by_n=True)
+    actual = snapshot(engine)
+    destroy(engine)
+
+    world_size = ds_comm.get_world_size()
+    reference = make_model()
+    optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.01)
+    for step, n in enumerate(plan):
+        batches = [micro_batch(step, i, rank) for rank in range(world_size) for i in range(n)]
+        x = torch.cat([b[0] for b in batches])
+        y = torch.cat([b[1] for b in batches])
+        optimizer.zero_grad()
+        loss_fn(reference(x), y).backward()
+        optimizer.step()
+    for name, p in reference.named_parameters():
+        torch.testing.assert_close(actual.params[name], p.detach(), rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")

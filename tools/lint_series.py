@@ -1,0 +1,246 @@
+#!/usr/bin/env python3
+"""Lint the patch series the way DeepSpeed's pre-commit does at v0.19.3, one PR at a time.
+
+For every PR K and every file it adds or modifies, compare the file after PR K with the same file
+before it (after PR K-1; the pristine sdist for PR 1) and report only what PR K introduces:
+
+- yapf 0.40.0 (pep8 base, 119 columns): reformatting hunks whose lines were not already off-style;
+- flake8 5.0.4 (pyflakes and syntax errors only, as DeepSpeed's .flake8 selects): findings whose
+  code and message (line numbers aside) are not in the file before;
+- codespell: misspellings in the lines the PR adds that are not in the lines it removes.
+
+By default the series in patches/ is materialized into a temporary folder; ``--tree`` lints the
+commits of an existing materialized tree instead (committed work only). Exit status 1 on findings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import stack  # noqa: E402
+
+YAPF_STYLE = "{based_on_style: pep8, column_limit: 119, split_all_comma_separated_values: false}"
+FLAKE8_ARGS = ("--isolated", "--ignore=E,F403,F405,F541,F841,W", "--select=E9,F,W6",
+               "--per-file-ignores=__init__.py:F401")
+CODESPELL_ARGS = ("--ignore-words-list=youn,unsupport,noe,cann", )
+
+_FLAKE8_LINE = re.compile(r"^(?P<path>.+?):(?P<line>\d+):(?P<col>\d+): (?P<code>\S+) (?P<message>.*)$")
+_CODESPELL_LINE = re.compile(r"^(?P<path>.+?):(?P<line>\d+): (?P<word>.+?) ==> (?P<fix>.*)$")
+_HUNK = re.compile(r"^@@ -\d+(?:,\d+)? \+(?P<start>\d+)(?:,\d+)? @@")
+
+
+@dataclass(frozen=True)
+class Finding:
+    tool: str
+    path: str
+    detail: str
+
+    def __str__(self) -> str:
+        return f"  [{self.tool}] {self.path}: {self.detail}"
+
+
+def _run(*cmd: str, cwd: Path | None = None) -> str:
+    result = subprocess.run([sys.executable, "-m", *cmd], cwd=cwd, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    if result.returncode not in (0, 1, 65):  # 1: findings (yapf, flake8), 65: misspellings (codespell)
+        raise stack.StackError(f"{' '.join(cmd[:1])} failed ({result.returncode}):\n{result.stderr.strip()}")
+    return result.stdout
+
+
+def _show(repo: Path, rev: str, path: str, out_root: Path) -> Path | None:
+    """Write ``rev:path`` under ``out_root`` (keeping the relative path); None if it does not exist."""
+    result = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=repo, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL)
+    if result.returncode != 0:
+        return None
+    dest = out_root / path
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    dest.write_bytes(result.stdout)
+    return dest
+
+
+# -- yapf ---------------------------------------------------------------------------------------
+
+
+def _yapf_hunks(path: Path | None) -> list[list[str]]:
+    """yapf's proposed changes to ``path`` as hunks of diff lines (empty when it is formatted)."""
+    if path is None:
+        return []
+    hunks: list[list[str]] = []
+    for line in _run("yapf", "--diff", "--style", YAPF_STYLE, str(path)).splitlines():
+        if line.startswith("@@"):
+            hunks.append([line])
+        elif hunks and not line.startswith(("---", "+++")):
+            hunks[-1].append(line)
+    return hunks
+
+
+def yapf_findings(rel: str, before: Path | None, after: Path) -> list[Finding]:
+    """Hunks yapf would change in ``after`` that change lines not already off-style in ``before``."""
+    allowance = Counter(l[1:] for hunk in _yapf_hunks(before) for l in hunk if l.startswith("-"))
+    findings = []
+    for hunk in _yapf_hunks(after):
+        new = False
+        for line in (l[1:] for l in hunk if l.startswith("-")):
+            if allowance[line] > 0:
+                allowance[line] -= 1
+            else:
+                new = True
+        if new:
+            findings.append(Finding("yapf", rel, "would reformat:\n" + "\n".join(f"      {l}" for l in hunk)))
+    return findings
+
+
+# -- flake8 -------------------------------------------------------------------------------------
+
+
+def _flake8(root: Path, rel: str) -> list[tuple[int, str, str]]:
+    out = _run("flake8", *FLAKE8_ARGS, rel, cwd=root)
+    found = []
+    for line in out.splitlines():
+        match = _FLAKE8_LINE.match(line)
+        if match:
+            found.append((int(match["line"]), match["code"], match["message"]))
+    return found
+
+
+def flake8_findings(rel: str, before_root: Path | None, after_root: Path) -> list[Finding]:
+    """flake8 findings in the file after the PR whose (code, message) the file before did not have."""
+    allowance = Counter((c, m) for _, c, m in (_flake8(before_root, rel) if before_root else []))
+    findings = []
+    for line, code, message in _flake8(after_root, rel):
+        if allowance[(code, message)] > 0:
+            allowance[(code, message)] -= 1
+        else:
+            findings.append(Finding("flake8", rel, f"line {line}: {code} {message}"))
+    return findings
+
+
+# -- codespell ----------------------------------------------------------------------------------
+
+
+def _changed_lines(repo: Path, base: str, head: str, rel: str) -> tuple[list[tuple[int, str]], list[str]]:
+    """(line number in head, text) of the lines the change adds, and the texts of the lines it removes."""
+    diff = subprocess.run(["git", "diff", "-U0", "--no-renames", "--no-color", base, head, "--", rel], cwd=repo,
+                          text=True, errors="replace", stdout=subprocess.PIPE, check=True).stdout
+    added, removed, lineno = [], [], 0
+    for line in diff.splitlines():
+        hunk = _HUNK.match(line)
+        if hunk:
+            lineno = int(hunk["start"])
+        elif line.startswith("+") and not line.startswith("+++"):
+            added.append((lineno, line[1:]))
+            lineno += 1
+        elif line.startswith("-") and not line.startswith("---"):
+            removed.append(line[1:])
+    return added, removed
+
+
+def _misspellings(texts: list[str], workdir: Path) -> list[tuple[int, str]]:
+    """(1-based index into ``texts``, codespell's 'word ==> fix') for every misspelling."""
+    if not texts:
+        return []
+    workdir.mkdir(parents=True, exist_ok=True)
+    sample = workdir / "lines.txt"
+    sample.write_text("\n".join(texts) + "\n", encoding="utf-8")
+    found = []
+    for line in _run("codespell_lib", *CODESPELL_ARGS, str(sample)).splitlines():
+        match = _CODESPELL_LINE.match(line)
+        if match:
+            found.append((int(match["line"]), f"{match['word']} ==> {match['fix']}"))
+    return found
+
+
+def codespell_findings(repo: Path, base: str, head: str, rel: str, workdir: Path) -> list[Finding]:
+    added, removed = _changed_lines(repo, base, head, rel)
+    allowance = Counter(word.split(" ==> ")[0] for _, word in _misspellings(removed, workdir / "removed"))
+    findings = []
+    for index, word in _misspellings([text for _, text in added], workdir / "added"):
+        typo = word.split(" ==> ")[0]
+        if allowance[typo] > 0:
+            allowance[typo] -= 1
+        else:
+            findings.append(Finding("codespell", rel, f"line {added[index - 1][0]}: {word}"))
+    return findings
+
+
+# -- one PR, the series -------------------------------------------------------------------------
+
+
+def lint_change(repo: Path, base: str, head: str) -> list[Finding]:
+    """Everything the commit range ``base..head`` of ``repo`` adds to DeepSpeed's lint findings."""
+    status = subprocess.run(["git", "diff", "--name-status", "--no-renames", base, head], cwd=repo, text=True,
+                            stdout=subprocess.PIPE, check=True).stdout
+    touched = [line.split("\t", 1)[1] for line in status.splitlines() if line[:1] in ("A", "M")]
+    findings: list[Finding] = []
+    with tempfile.TemporaryDirectory(prefix="lint-series-") as tmp:
+        before_root, after_root = Path(tmp) / "before", Path(tmp) / "after"
+        for index, rel in enumerate(touched):
+            findings += codespell_findings(repo, base, head, rel, Path(tmp) / f"codespell-{index}")
+            if not rel.endswith(".py"):
+                continue
+            before = _show(repo, base, rel, before_root)
+            after = _show(repo, head, rel, after_root)
+            findings += yapf_findings(rel, before, after)
+            findings += flake8_findings(rel, before_root if before else None, after_root)
+    return findings
+
+
+def lint_tree(repo: Path, patches: list[stack.Patch]) -> dict[stack.Patch, list[Finding]]:
+    """Lint each PR of a materialized tree against the commit before it."""
+    commits = stack.stack_commits(repo)
+    if len(commits) < len(patches):
+        raise stack.StackError(f"{repo} has {len(commits)} commits above '{stack.UPSTREAM_TAG}', "
+                               f"fewer than the {len(patches)} PR(s) to lint")
+    revs = [stack.UPSTREAM_TAG, *commits]
+    return {patch: lint_change(repo, revs[patch.index - 1], revs[patch.index]) for patch in patches}
+
+
+def report(results: dict[stack.Patch, list[Finding]]) -> bool:
+    """Print one block per PR; return True when every PR is clean."""
+    clean = True
+    for patch, findings in results.items():
+        if findings:
+            clean = False
+            print(f"PR {patch.index} ({patch.name}): {len(findings)} new lint finding(s)")
+            for finding in findings:
+                print(finding)
+        else:
+            print(f"PR {patch.index} ({patch.name}): clean")
+    return clean
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="lint_series.py", description=__doc__.splitlines()[0])
+    parser.add_argument("--upto", type=int, help="lint only the first K PRs")
+    parser.add_argument("--tree", type=Path, help="lint the commits of this materialized tree (e.g. deepspeed-src)")
+    args = parser.parse_args(argv)
+    try:
+        patches = stack.select(stack.read_series(), args.upto)
+        if args.tree is not None:
+            results = lint_tree(args.tree, patches)
+        else:
+            with tempfile.TemporaryDirectory(prefix="lint-series-tree-") as tmp:
+                results = lint_tree(stack.materialize(Path(tmp) / "tree", args.upto), patches)
+    except stack.StackError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if not report(results):
+        print("lint failed: fix the findings above in the PR that introduces them "
+              "(git commit --fixup=<pr>, then stack.py export)", file=sys.stderr)
+        return 1
+    print(f"lint passed: {len(patches)} PR(s) add no yapf, flake8 or codespell findings")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

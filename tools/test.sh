@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# The whole test suite, from a fresh machine, in one command:
+#
+#   bash tools/test.sh [pytest options, e.g. --upto 1 --world-sizes 1,2 -x]
+#   bash tools/test.sh --install-only      # only create/update the environment
+#
+# Creates (or reuses) the virtualenv $DS_SERIES_VENV (default .venv), installs into it torch 2.13.0,
+# the pinned requirements and this project the README's way (`pip install .`: DeepSpeed 0.19.3 with
+# the whole patch series), then runs `python -m pytest` over tests/. A later run skips the installs
+# unless a requirements file, the patches or the build tooling changed, or the installed DeepSpeed is
+# not the full series (e.g. after `tools/stack.py install --upto K`).
+#
+# tools/demo.sh sources this file for ds_series_setup.
+set -euo pipefail
+
+DS_SERIES_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+DS_SERIES_VENV="${DS_SERIES_VENV:-.venv}"
+case "$DS_SERIES_VENV" in /*) ;; *) DS_SERIES_VENV="$DS_SERIES_ROOT/$DS_SERIES_VENV" ;; esac
+DS_SERIES_PY="$DS_SERIES_VENV/bin/python"
+# Installed after torch. The Tinker-server tests need the SDK and the server's dependencies.
+DS_SERIES_REQUIREMENTS=(requirements/runtime.txt requirements/dev.txt requirements/tinker-server.txt)
+
+_ds_series_log() { echo "[tools/test.sh] $*" >&2; }
+
+# A digest of everything the environment is built from.
+_ds_series_inputs_digest() {
+    (
+        cd "$DS_SERIES_ROOT"
+        local f
+        for f in "${DS_SERIES_REQUIREMENTS[@]}" requirements/*.txt pyproject.toml tools/build_backend.py \
+            tools/stack.py patches/series patches/*.patch; do
+            [[ -f "$f" ]] && printf '%s\n' "$f" && cat "$f"
+        done
+        "$DS_SERIES_PY" --version 2>&1 || true
+    ) | sha256sum | cut -d' ' -f1
+}
+
+_ds_series_expected_version() {
+    local n
+    n=$(grep -cvE '^[[:space:]]*(#|$)' "$DS_SERIES_ROOT/patches/series" || true)
+    echo "0.19.3+unmanagedga.$n"
+}
+
+_ds_series_installed_version() {
+    "$DS_SERIES_PY" -c 'import importlib.metadata as m; print(m.version("deepspeed"))' 2>/dev/null || true
+}
+
+ds_series_setup() {
+    local stamp="$DS_SERIES_VENV/.ds-series-inputs" digest expected
+    if [[ ! -x "$DS_SERIES_PY" ]]; then
+        _ds_series_log "creating virtualenv $DS_SERIES_VENV"
+        python3 -m venv "$DS_SERIES_VENV"
+    fi
+    digest=$(_ds_series_inputs_digest)
+    expected=$(_ds_series_expected_version)
+    if [[ -f "$stamp" && "$(cat "$stamp")" == "$digest" && "$(_ds_series_installed_version)" == "$expected" ]]; then
+        _ds_series_log "environment up to date (deepspeed $expected)"
+        return 0
+    fi
+    rm -f "$stamp"
+    local pip=("$DS_SERIES_PY" -m pip --disable-pip-version-check install --quiet)
+    local reqs=() f
+    for f in "${DS_SERIES_REQUIREMENTS[@]}"; do
+        [[ -f "$DS_SERIES_ROOT/$f" ]] && reqs+=(-r "$DS_SERIES_ROOT/$f")
+    done
+    _ds_series_log "installing torch==2.13.0 (pinned first: an unpinned torch pulls a multi-GB CUDA build)"
+    "${pip[@]}" torch==2.13.0
+    _ds_series_log "installing ${DS_SERIES_REQUIREMENTS[*]}"
+    "${pip[@]}" "${reqs[@]}"
+    _ds_series_log "installing this project: pip install . (DeepSpeed 0.19.3 + the patch series)"
+    (cd "$DS_SERIES_ROOT" && "${pip[@]}" --force-reinstall --no-deps .)
+    local got
+    got=$(_ds_series_installed_version)
+    if [[ "$got" != "$expected" ]]; then
+        _ds_series_log "error: installed deepspeed is '$got', expected '$expected'"
+        return 1
+    fi
+    echo "$digest" >"$stamp"
+    _ds_series_log "installed deepspeed $got into $DS_SERIES_VENV"
+}
+
+if [[ "${BASH_SOURCE[0]}" == "$0" ]]; then
+    ds_series_setup
+    [[ "${1:-}" == "--install-only" ]] && exit 0
+    cd "$DS_SERIES_ROOT"
+    rc=0
+    "$DS_SERIES_PY" -m pytest "$@" || rc=$?
+    if [[ $rc -eq 5 ]]; then
+        _ds_series_log "error: pytest collected no tests (exit 5); that is a failure here"
+        exit 1
+    fi
+    exit $rc
+fi
