@@ -27,6 +27,7 @@ class Path:
     kwargs: Callable[[], dict] = dict
     model_fn: Callable[[], torch.nn.Module] = make_model
     needs_fp16: bool = False
+    zero_init: bool = False  # build the model inside deepspeed.zero.Init
 
     def config(self, gas: int, managed: bool | None, **more: Any) -> dict:
         return merge(base_config(gas, managed=managed, stage=self.stage, dtype=self.dtype, **self.extra), more)
@@ -36,7 +37,16 @@ class Path:
 
         if self.needs_fp16:
             allow_fp16_on_cpu()
-        return initialize(self.config(gas, managed, **more), self.model_fn, **self.kwargs())
+        config = self.config(gas, managed, **more)
+        model_fn = self.model_fn
+        if self.zero_init:
+            import deepspeed
+
+            def model_fn() -> torch.nn.Module:
+                with deepspeed.zero.Init(config_dict_or_path=config):
+                    return self.model_fn()
+
+        return initialize(config, model_fn, **self.kwargs())
 
 
 def allow_fp16_on_cpu() -> None:
@@ -144,6 +154,104 @@ def make_branchy_model() -> torch.nn.Module:
     return BranchyMLP()
 
 
+class WideMLP(torch.nn.Module):
+    """~69k parameters (277 KB of fp32 gradients): big enough for memory measurements to mean something."""
+
+    def __init__(self, width: int = 256) -> None:
+        super().__init__()
+        self.fc1 = torch.nn.Linear(FEATURES, width)
+        self.mid = torch.nn.Linear(width, width)
+        self.fc2 = torch.nn.Linear(width, OUTPUTS)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.nn.functional.gelu(self.mid(torch.nn.functional.gelu(self.fc1(x)))))
+
+
+def make_wide_model() -> torch.nn.Module:
+    torch.manual_seed(1234)
+    return WideMLP()
+
+
+class LoraMLP(torch.nn.Module):
+    """A frozen base layer with a trainable low-rank adapter beside it (LoRA-style frozen parameters)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = torch.nn.Linear(FEATURES, HIDDEN).requires_grad_(False)
+        self.lora_a = torch.nn.Linear(FEATURES, 2, bias=False)
+        self.lora_b = torch.nn.Linear(2, HIDDEN, bias=False)
+        self.fc2 = torch.nn.Linear(HIDDEN, OUTPUTS)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.nn.functional.gelu(self.fc1(x) + self.lora_b(self.lora_a(x))))
+
+
+def make_lora_model() -> torch.nn.Module:
+    torch.manual_seed(1234)
+    return LoraMLP()
+
+
+class CheckpointedMLP(torch.nn.Module):
+    """The middle of the network recomputed in backward (activation checkpointing)."""
+
+    def __init__(self, use_reentrant: bool) -> None:
+        super().__init__()
+        self.use_reentrant = use_reentrant
+        self.fc1 = torch.nn.Linear(FEATURES, HIDDEN)
+        self.mid = torch.nn.Linear(HIDDEN, HIDDEN)
+        self.fc2 = torch.nn.Linear(HIDDEN, OUTPUTS)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.nn.functional.gelu(self.fc1(x))
+        h = torch.utils.checkpoint.checkpoint(lambda t: torch.nn.functional.gelu(self.mid(t)), h,
+                                              use_reentrant=self.use_reentrant)
+        return self.fc2(h)
+
+
+def make_checkpointed_model(use_reentrant: bool) -> Callable[[], torch.nn.Module]:
+
+    def make() -> torch.nn.Module:
+        torch.manual_seed(1234)
+        return CheckpointedMLP(use_reentrant)
+
+    return make
+
+
+class BranchBlock(torch.nn.Module):
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.branch = torch.nn.Linear(HIDDEN, HIDDEN)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        from .training import current_micro_batch
+
+        step, index = current_micro_batch()
+        return h + self.branch(h) if (step + index) % 3 == 1 else h
+
+
+class LeafBranchyMLP(torch.nn.Module):
+    """A branch not taken in some micro-batches inside a ZeRO-3 leaf module (gathered as one unit)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = torch.nn.Linear(FEATURES, HIDDEN)
+        self.block = BranchBlock()
+        self.fc2 = torch.nn.Linear(HIDDEN, OUTPUTS)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.block(torch.nn.functional.gelu(self.fc1(x))))
+
+
+def make_leaf_module_model() -> torch.nn.Module:
+    from deepspeed.utils import set_z3_leaf_modules
+
+    torch.manual_seed(1234)
+    model = LeafBranchyMLP()
+    set_z3_leaf_modules(model, [BranchBlock])
+    return model
+
+
 def make_moe_model() -> torch.nn.Module:
     import deepspeed.comm as dist
 
@@ -197,7 +305,44 @@ ZERO_2_PATHS: dict[str, Path] = {
     "zero2-branchy": _zero2(model_fn=make_branchy_model),
 }
 
-PATHS: dict[str, Path] = {**ZERO_0_1_PATHS, **ZERO_2_PATHS}
+def _zero3(dtype: str = "fp32", needs_fp16: bool = False, model_fn=make_model, **zero: Any) -> Path:
+    # Persistence threshold 0 partitions every parameter; the default keeps these tiny ones whole.
+    zero = {"stage3_param_persistence_threshold": 0, **zero}
+    return Path(3, dtype, {**CLIP, **WARMUP, "zero_optimization": zero}, model_fn=model_fn, needs_fp16=needs_fp16)
+
+
+#: ZeRO stage 3 and what its users set (PR 3).
+ZERO_3_PATHS: dict[str, Path] = {
+    "zero3-fp32": _zero3(),
+    "zero3-persistent-and-partitioned": _zero3(stage3_param_persistence_threshold=20),
+    "zero3-no-overlap-comm": _zero3(overlap_comm=False),
+    "zero3-no-contiguous-gradients": _zero3(contiguous_gradients=False),
+    "zero3-small-buckets": _zero3(reduce_bucket_size=40),
+    "zero3-prefetch-limits": _zero3(stage3_prefetch_bucket_size=20, stage3_max_live_parameters=30,
+                                    stage3_max_reuse_distance=10),
+    "zero3-bf16": _zero3("bf16"),
+    "zero3-fp16": _zero3("fp16", needs_fp16=True),
+    "zero3-branchy": _zero3(model_fn=make_branchy_model),
+    "zero3-frozen-lora": _zero3(model_fn=make_lora_model),
+    "zero3-checkpointing-reentrant": _zero3(model_fn=make_checkpointed_model(True)),
+    "zero3-checkpointing-non-reentrant": _zero3(model_fn=make_checkpointed_model(False)),
+    "zero3-leaf-module": _zero3(model_fn=make_leaf_module_model),
+    "zero3-zero-init": Path(3, "fp32", {**CLIP, "zero_optimization": {"stage3_param_persistence_threshold": 0}},
+                            zero_init=True),
+}
+
+#: MiCS shards over sub-groups with coalesced collectives, which gloo does not implement: NCCL only.
+MICS_PATHS: dict[str, Path] = {"zero3-mics": Path(3, "fp32", {**CLIP, "zero_optimization": {"mics_shard_size": 1}})}
+
+#: Wide models for the gradient-memory measurements (moderate buckets: the 5e8-element default is 2 GB).
+MEMORY_PATHS: dict[str, Path] = {
+    "zero2-wide": _zero2(model_fn=make_wide_model, reduce_bucket_size=20000, allgather_bucket_size=20000),
+    "zero2-wide-overlap-comm": _zero2(model_fn=make_wide_model, reduce_bucket_size=20000,
+                                      allgather_bucket_size=20000, overlap_comm=True),
+    "zero3-wide": _zero3(model_fn=make_wide_model, reduce_bucket_size=20000),
+}
+
+PATHS: dict[str, Path] = {**ZERO_0_1_PATHS, **ZERO_2_PATHS, **ZERO_3_PATHS, **MICS_PATHS, **MEMORY_PATHS}
 
 #: Dynamic loss-scale fp16 paths, for the overflow-inside-an-accumulation tests.
-FP16_DYNAMIC = ["fp16-fused", "fp16-unfused", "zero1-fp16", "zero2-fp16"]
+FP16_DYNAMIC = ["fp16-fused", "fp16-unfused", "zero1-fp16", "zero2-fp16", "zero3-fp16"]

@@ -214,3 +214,58 @@ def full_batch_reference(path_name: str, plan: list) -> None:
         optimizer.step()
     for name, p in reference.named_parameters():
         torch.testing.assert_close(actual.params[name], p.detach(), rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def _live_cpu_tensor_bytes() -> int:
+    import gc
+
+    gc.collect()
+    storages = {}
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.Tensor) and obj.device.type == "cpu":
+            storage = obj.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+def gradient_bytes_held_across_backwards(path_name: str, managed: bool, n: int) -> list:
+    """Bytes of tensor storage an accumulation holds after each backward of a logical step, measured.
+
+    Not assumed from the optimizer's data structures: the garbage collector enumerates every live tensor
+    and the distinct storages behind them are summed, so a gradient buffer kept across backward passes
+    shows up whatever holds it. The baseline is taken after a warm-up step (optimizer states, buckets
+    and buffers exist), which also cancels whatever earlier engines on this rank left behind.
+    """
+    engine = PATHS[path_name].initialize(gas=n, managed=managed)
+    (run_managed if managed else run_unmanaged)(engine, [n])
+    baseline = _live_cpu_tensor_bytes()
+    held = []
+    for i in range(n):
+        backward(engine, forward_loss(engine, 1, i))
+        held.append(_live_cpu_tensor_bytes() - baseline)
+        if managed and i < n - 1:
+            engine.step()
+    destroy(engine)
+    return held
+
+
+def sixteen_bit_export_parity(path_name: str, save_dir: str) -> None:
+    """engine.save_16bit_model() after unmanaged steps writes what it writes after managed steps."""
+    import os
+
+    states = []
+    for managed in (True, False):
+        engine = PATHS[path_name].initialize(gas=2, managed=managed,
+                                             zero_optimization={"stage3_gather_16bit_weights_on_model_save": True})
+        (run_managed if managed else run_unmanaged)(engine, [2, 2])
+        folder = os.path.join(save_dir, "managed" if managed else "unmanaged")
+        assert engine.save_16bit_model(folder)
+        destroy(engine)
+        ds_comm.barrier()
+        if ds_comm.get_rank() == 0:
+            states.append(torch.load(os.path.join(folder, "pytorch_model.bin"), weights_only=True))
+    if ds_comm.get_rank() == 0:
+        from .training import bitwise_equal
+
+        assert states[0].keys() == states[1].keys()
+        assert all(bitwise_equal(states[0][k], states[1][k]) for k in states[0]), "16-bit exports differ"

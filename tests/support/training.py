@@ -187,6 +187,9 @@ class Snapshot:
 def snapshot(engine) -> Snapshot:
     params = {name: tensor_copy(p) for name, p in engine.module.named_parameters()}
     optimizer_state = flatten(engine.optimizer.state_dict()) if engine.optimizer is not None else []
+    # ZeRO-3's flat fp32 groups hold the master weights (compared as params) plus alignment padding that
+    # is uninitialised memory.
+    optimizer_state = [(path, value) for path, value in optimizer_state if "fp32_flat_groups" not in path]
     scale = engine._get_optimizer_loss_scale()
     norm = engine.get_global_grad_norm()
     scalars = {
