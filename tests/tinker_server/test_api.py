@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tinker_sdk_helpers import require  # noqa: E402
+from tinker_sdk_helpers import require
 
 require("tinker")
 from tinker import types  # noqa: E402

@@ -17,7 +17,7 @@ import threading
 import numpy as np
 import pytest
 
-from tinker_sdk_helpers import require  # noqa: E402
+from tinker_sdk_helpers import require
 
 tinker = require("tinker")
 from tinker import types  # noqa: E402

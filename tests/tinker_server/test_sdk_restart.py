@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from tinker_sdk_helpers import require  # noqa: E402
+from tinker_sdk_helpers import require
 
 tinker = require("tinker")
 from tinker import types  # noqa: E402

@@ -12,9 +12,9 @@ from tinker_sdk_helpers import require
 require("peft")
 require("transformers")
 
-from examples.tinker_server.model import LoraSpec, build_model, cross_entropy_sum, token_logprobs
-from examples.tinker_server.wire import Datum
-from examples.tinker_server.worker import apply_step_hyperparameters, pad_batch, share, sum_over_ranks
+from examples.tinker_server.model import LoraSpec, build_model, cross_entropy_sum, token_logprobs  # noqa: E402
+from examples.tinker_server.wire import Datum  # noqa: E402
+from examples.tinker_server.worker import apply_step_hyperparameters, pad_batch, share, sum_over_ranks  # noqa: E402
 
 pytestmark = pytest.mark.pr(1)
 

@@ -1,0 +1,429 @@
+"""The Tinker HTTP protocol: routes, sessions, models, futures; no training here.
+
+Every POST returns at once (work goes to the scheduler) and is idempotent: a repeated
+``X-Idempotency-Key`` gets the first response again, a repeated ``(model_id, seq_id)`` the first
+future. Bad input is found here, before anything reaches a rank, and reported as a ``user``
+error in the future's result.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import math
+import random
+import re
+import threading
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any, Callable
+
+from .model import BASE_MODELS, BaseModelSpec, LoraSpec
+from .scheduler import FutureStore, Scheduler
+from .wire import (PROTO_CONTENT_TYPE, FwdBwdRequest, FwdBwdResult, UserError, check_against_model,
+                   encode_forward_backward_output, forward_backward_output_json, parse_forward_backward, parse_json,
+                   validate_forward_backward)
+
+API = "/api/v1/"
+CHECKPOINT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+@dataclass(frozen=True)
+class Response:
+    status: int
+    body: bytes
+    content_type: str = "application/json"
+
+
+def json_response(value: Any, status: int = 200) -> Response:
+    return Response(status, json.dumps(value).encode())
+
+
+def error_response(status: int, message: str) -> Response:
+    return json_response({"error": message, "category": "user" if status < 500 else "server"}, status)
+
+
+@dataclass(frozen=True)
+class ModelRecord:
+    """What the protocol layer knows about a training model (the weights live on the ranks)."""
+
+    model_id: str
+    session_id: str
+    base_model: str
+    lora: LoraSpec | None
+
+    @property
+    def spec(self) -> BaseModelSpec:
+        return BASE_MODELS[self.base_model]
+
+
+@dataclass(frozen=True)
+class ApiSettings:
+    checkpoint_root: Path
+    #: Datums per forward_backward chunk the SDK sends; small, so a modest call is split.
+    max_chunk_datums: int = 8
+    #: Ask the SDK to zstd-compress forward_backward bodies (exercises that path).
+    compress_fwdbwd: bool = True
+    #: How long retrieve_future holds a pending request before answering try_again.
+    long_poll_s: float = 10.0
+
+
+def parse_tinker_path(path: str) -> tuple[str, str]:
+    """``tinker://<model_id>/weights/<name>`` -> (model_id, name)."""
+    parts = path[len("tinker://"):].split("/") if path.startswith("tinker://") else []
+    if len(parts) != 3 or parts[1] != "weights" or not CHECKPOINT_NAME.match(parts[2]) or not parts[0]:
+        raise UserError(f"not a checkpoint path of this server: {path!r} "
+                        "(expected tinker://<model_id>/weights/<name>)")
+    return parts[0], parts[2]
+
+
+def checkpoint_dir(root: Path, model_id: str, name: str) -> Path:
+    return root / model_id.replace("/", "_") / "weights" / name
+
+
+def _adam_params(body: dict[str, Any]) -> dict[str, float]:
+    """The per-step Adam hyper-parameters, validated; other optimizer families are refused."""
+    if "adam_params" not in body:
+        kind = (body.get("optimizer_params") or {}).get("type", "none")
+        raise UserError(f"unsupported optimizer {kind!r}: this server runs AdamW (send adam_params)")
+    raw = body["adam_params"]
+    defaults = {"learning_rate": 1e-4, "beta1": 0.9, "beta2": 0.95, "eps": 1e-12, "weight_decay": 0.0,
+                "grad_clip_norm": 0.0}
+    unknown = sorted(set(raw) - set(defaults))
+    if unknown:
+        raise UserError(f"unknown adam_params {unknown}")
+    params = {k: float(raw.get(k, v)) for k, v in defaults.items()}
+    if not all(math.isfinite(v) for v in params.values()):
+        raise UserError("adam_params must be finite")
+    if params["learning_rate"] < 0 or params["weight_decay"] < 0 or params["eps"] <= 0:
+        raise UserError("adam_params: learning_rate and weight_decay must be >= 0 and eps > 0")
+    if not (0 <= params["beta1"] < 1 and 0 <= params["beta2"] < 1):
+        raise UserError("adam_params: beta1 and beta2 must be in [0, 1)")
+    return params
+
+
+class TinkerApi:
+    """Request handling, independent of the HTTP server so tests can call it directly."""
+
+    def __init__(self, scheduler: Scheduler, settings: ApiSettings) -> None:
+        self.scheduler = scheduler
+        self.futures: FutureStore = scheduler.futures
+        self.settings = settings
+        self._lock = threading.Lock()
+        self._sessions: dict[str, set[str]] = {}  # session_id -> model ids
+        self._models: dict[str, ModelRecord] = {}
+        self._creates: dict[str, str] = {}  # model_id -> the future its creation reported
+        self._replies: collections.OrderedDict[str, Response] = collections.OrderedDict()
+        self._posts: dict[str, Callable[[dict[str, str], bytes], Response]] = {
+            "client/config": self._client_config,
+            "client/dynamic_config": lambda h, b: json_response({}),
+            "create_session": self._create_session,
+            "session_heartbeat": lambda h, b: json_response({"type": "session_heartbeat"}),
+            "telemetry": lambda h, b: json_response({"status": "accepted"}),
+            "create_model": self._create_model,
+            "get_info": self._get_info,
+            "forward_backward": self._forward_backward,
+            "forward": self._forward,
+            "optim_step": self._optim_step,
+            "save_weights": self._save_weights,
+            "load_weights": self._load_weights,
+            "retrieve_future": self._retrieve_future,
+        }
+
+    # ----------------------------------------------------------------- dispatch
+
+    def handle(self, method: str, path: str, headers: dict[str, str], body: bytes) -> Response:
+        """Route one request; headers are keyed in lower case."""
+        if not headers.get("x-api-key", "").startswith("tml-"):
+            return error_response(401, "an API key starting with 'tml-' is required (X-API-Key)")
+        path = path.split("?", 1)[0]
+        if not path.startswith(API):
+            return error_response(404, f"no such endpoint {path}")
+        route = path[len(API):]
+        if method == "GET":
+            return self._get(route)
+        if method != "POST":
+            return error_response(405, f"{method} is not supported")
+        match = re.fullmatch(r"sessions/([^/]+)/finish", route)
+        if match:
+            return self._finish_session(match.group(1))
+        handler = self._posts.get(route)
+        if handler is None:
+            return error_response(404, f"no such endpoint {path}")
+        key = headers.get("x-idempotency-key")
+        if key and route != "retrieve_future":
+            with self._lock:
+                if key in self._replies:
+                    return self._replies[key]
+        try:
+            response = handler(headers, body)
+        except UserError as e:
+            response = error_response(400, str(e))
+        if key and route != "retrieve_future" and response.status < 500:
+            with self._lock:
+                self._replies[key] = response
+                while len(self._replies) > 10_000:
+                    self._replies.popitem(last=False)
+        return response
+
+    def _get(self, route: str) -> Response:
+        if route == "healthz":
+            return json_response({"status": "ok"})
+        if route == "get_server_capabilities":
+            return json_response({"supported_models": [
+                {"model_name": name, "max_context_length": spec.max_context_length, "trainable": True,
+                 "sampleable": False} for name, spec in BASE_MODELS.items()]})
+        return error_response(404, f"no such endpoint {API}{route}")
+
+    # ------------------------------------------------------------ session/model
+
+    def _client_config(self, headers: dict[str, str], body: bytes) -> Response:
+        return json_response({
+            "pjwt_auth_enabled": False,
+            "use_pyqwest_transport": False,  # plain httpx over HTTP/1.1 on loopback
+            "parallel_fwdbwd_chunks": True,
+            "proto_compress_fwdbwd": self.settings.compress_fwdbwd,
+            "fwdbwd_max_chunk_len": self.settings.max_chunk_datums,
+            "custom_loss_server_side": False,
+        })
+
+    def _create_session(self, headers: dict[str, str], body: bytes) -> Response:
+        parse_json(body)
+        session_id = f"s{random.getrandbits(48):012x}"
+        with self._lock:
+            self._sessions[session_id] = set()
+        return json_response({"type": "create_session", "session_id": session_id})
+
+    def _finish_session(self, session_id: str) -> Response:
+        with self._lock:
+            model_ids = self._sessions.pop(session_id, set())
+            for model_id in model_ids:
+                self._models.pop(model_id, None)
+                self._creates.pop(model_id, None)
+        for model_id in model_ids:
+            self.scheduler.close_model(model_id)
+            self.scheduler.submit("unload", model_id)
+        return json_response({})
+
+    def _new_model(self, body: dict[str, Any], lora: LoraSpec | None, base_model: str) -> ModelRecord:
+        session_id = str(body.get("session_id", ""))
+        with self._lock:
+            if session_id not in self._sessions:
+                raise UserError(f"unknown session {session_id!r}")
+        if base_model not in BASE_MODELS:
+            raise UserError(f"unknown base_model {base_model!r}; this server has {sorted(BASE_MODELS)}")
+        optimizer = (body.get("optimizer_config") or {}).get("type", "adamw")
+        if optimizer != "adamw":
+            raise UserError(f"unsupported optimizer {optimizer!r}: this server runs AdamW")
+        return ModelRecord(f"{session_id}:train:{int(body.get('model_seq_id', 0))}", session_id, base_model, lora)
+
+    def _open(self, record: ModelRecord, jobs: list[tuple[str, Any]]) -> Response:
+        """Make a model addressable and queue the jobs that bring it up; the client waits on the last.
+
+        A retried create (same session and ``model_seq_id``) gets the first future back.
+        """
+        with self._lock:
+            request_id = self._creates.get(record.model_id)
+            if request_id is None:
+                if not self.scheduler.open_model(record.model_id):
+                    raise UserError(f"model {record.model_id} already exists")
+                self._models[record.model_id] = record
+                self._sessions.setdefault(record.session_id, set()).add(record.model_id)
+                for kind, payload in jobs:
+                    request_id = self.scheduler.submit(kind, record.model_id, payload)
+                self._creates[record.model_id] = request_id
+        return json_response({"request_id": request_id, "model_id": record.model_id})
+
+    def _create_model(self, headers: dict[str, str], body: bytes) -> Response:
+        request = parse_json(body)
+        try:
+            raw_lora = request.get("lora_config")
+            lora = None
+            if raw_lora and int(raw_lora.get("rank", 0)) > 0:  # rank 0 (or none): full fine-tuning
+                seed = raw_lora.get("seed")
+                lora = LoraSpec(rank=int(raw_lora["rank"]),
+                                seed=int(seed) if seed is not None else random.getrandbits(31),
+                                train_attn=bool(raw_lora.get("train_attn", True)),
+                                train_mlp=bool(raw_lora.get("train_mlp", True)),
+                                train_unembed=bool(raw_lora.get("train_unembed", True)))
+                if not lora.target_modules():
+                    raise UserError("lora_config trains nothing (train_attn, train_mlp, train_unembed all false)")
+            record = self._new_model(request, lora, str(request.get("base_model", "")))
+            return self._open(record, [("create", record)])
+        except UserError as e:
+            return self._failed_future(str(e))
+
+    def _failed_future(self, message: str, category: str = "user") -> Response:
+        future = self.futures.create()
+        self.futures.fail(future.request_id, message, category)
+        return json_response({"request_id": future.request_id})
+
+    def model(self, model_id: str) -> ModelRecord:
+        with self._lock:
+            record = self._models.get(model_id)
+        if record is None:
+            raise UserError(f"unknown model id {model_id!r}")
+        return record
+
+    def _get_info(self, headers: dict[str, str], body: bytes) -> Response:
+        model_id = str(parse_json(body).get("model_id", ""))
+        try:
+            record = self.model(model_id)
+        except UserError as e:
+            return error_response(404, str(e))
+        return json_response({
+            "type": "get_info",
+            "model_id": model_id,
+            "model_data": {"arch": "llama", "model_name": record.base_model, "tokenizer_id": None},
+            "model_name": record.base_model,
+            "is_lora": record.lora is not None,
+            "lora_rank": record.lora.rank if record.lora else None,
+        })
+
+    # ------------------------------------------------------------------ training
+
+    def _sequenced(self, model_id: str, seq_id: Any, kind: str, build: Callable[[ModelRecord], Any]) -> Response:
+        """Queue a model request in seq order; a user error found by ``build`` still fills its slot."""
+        try:
+            record = self.model(model_id)
+        except UserError as e:
+            return self._failed_future(str(e))
+        if not isinstance(seq_id, int) or seq_id < 1:
+            return self._failed_future(f"seq_id must be an integer >= 1, got {seq_id!r}")
+        rejection, payload = None, None
+        try:
+            payload = build(record)
+        except UserError as e:
+            rejection = str(e)
+        try:
+            request_id = self.scheduler.submit_sequenced(model_id, seq_id, kind, payload, rejection)
+        except KeyError:
+            return self._failed_future(f"unknown model id {model_id!r}")
+        except ValueError as e:
+            return self._failed_future(str(e))
+        return json_response({"request_id": request_id, "model_id": model_id})
+
+    def _forward_backward(self, headers: dict[str, str], body: bytes, forward_only: bool = False) -> Response:
+        try:
+            msg = parse_forward_backward(body, headers.get("content-type"), headers.get("content-encoding"))
+        except UserError as e:  # no seq_id can be trusted: fail without touching any sequence
+            return self._failed_future(str(e))
+        # From here on the request has a slot: a user error fills it, so later requests still run.
+        forward_only = forward_only or msg.forward_only
+
+        def build(record: ModelRecord) -> FwdBwdRequest:
+            request = validate_forward_backward(msg, forward_only)
+            check_against_model(request, record.spec.vocab_size, record.spec.max_context_length)
+            return request
+
+        kind = "forward" if forward_only else "forward_backward"
+        return self._sequenced(msg.model_id, int(msg.seq_id), kind, build)
+
+    def _forward(self, headers: dict[str, str], body: bytes) -> Response:
+        return self._forward_backward(headers, body, forward_only=True)
+
+    def _optim_step(self, headers: dict[str, str], body: bytes) -> Response:
+        request = parse_json(body)
+        return self._sequenced(str(request.get("model_id", "")), request.get("seq_id"), "optim_step",
+                               lambda record: _adam_params(request))
+
+    def _save_weights(self, headers: dict[str, str], body: bytes) -> Response:
+        request = parse_json(body)
+        model_id = str(request.get("model_id", ""))
+
+        def build(record: ModelRecord) -> dict[str, Any]:
+            name = request.get("path") or f"step-{request.get('seq_id')}"
+            if not CHECKPOINT_NAME.match(str(name)):
+                raise UserError(f"checkpoint name {name!r} must match {CHECKPOINT_NAME.pattern}")
+            return {"name": str(name), "overwrite": bool(request.get("overwrite", False)),
+                    "dir": str(checkpoint_dir(self.settings.checkpoint_root, model_id, str(name))),
+                    "path": f"tinker://{model_id}/weights/{name}",
+                    "meta": {"base_model": record.base_model, "lora": record.lora.__dict__ if record.lora else None}}
+
+        return self._sequenced(model_id, request.get("seq_id"), "save_weights", build)
+
+    def _load_source(self, path: str) -> tuple[Path, dict[str, Any]]:
+        source_model, name = parse_tinker_path(path)
+        directory = checkpoint_dir(self.settings.checkpoint_root, source_model, name)
+        meta_file = directory / "tinker_meta.json"
+        if not meta_file.is_file():
+            raise UserError(f"no checkpoint at {path}")
+        return directory, json.loads(meta_file.read_text())
+
+    def _load_weights(self, headers: dict[str, str], body: bytes) -> Response:
+        request = parse_json(body)
+        optimizer = bool(request.get("optimizer", False))
+        if request.get("session_id") is not None:  # create-via-load: the model's first request
+            try:
+                directory, meta = self._load_source(str(request.get("path", "")))
+                lora = LoraSpec(**meta["lora"]) if meta.get("lora") else None
+                record = self._new_model(request, lora, request.get("base_model") or meta["base_model"])
+                if record.base_model != meta["base_model"]:
+                    raise UserError(f"checkpoint is for {meta['base_model']}, not {record.base_model}")
+                load = {"dir": str(directory), "optimizer": optimizer, "path": request["path"]}
+                return self._open(record, [("create", record), ("load_weights", load)])
+            except UserError as e:
+                return self._failed_future(str(e))
+
+        def build(record: ModelRecord) -> dict[str, Any]:
+            directory, meta = self._load_source(str(request.get("path", "")))
+            if meta["base_model"] != record.base_model or (meta.get("lora") or None) != (
+                    record.lora.__dict__ if record.lora else None):
+                raise UserError("checkpoint does not match this model's base model and LoRA config")
+            return {"dir": str(directory), "optimizer": optimizer, "path": request["path"]}
+
+        return self._sequenced(str(request.get("model_id", "")), request.get("seq_id"), "load_weights", build)
+
+    # ------------------------------------------------------------------- futures
+
+    def _retrieve_future(self, headers: dict[str, str], body: bytes) -> Response:
+        request_id = str(parse_json(body).get("request_id", ""))
+        future = self.futures.wait(request_id, self.settings.long_poll_s)
+        if future is None:
+            return error_response(404, f"unknown request_id {request_id!r}")
+        if future.status == "pending":
+            return json_response({"type": "try_again", "request_id": request_id, "queue_state": "active"})
+        if future.status == "error":
+            return json_response({"error": future.error, "category": future.category})
+        result = future.result
+        if isinstance(result, FwdBwdResult):
+            if PROTO_CONTENT_TYPE in headers.get("accept", ""):
+                return Response(200, encode_forward_backward_output(result), PROTO_CONTENT_TYPE)
+            return json_response(forward_backward_output_json(result))
+        return json_response(result)
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"  # keep-alive: the SDK pools connections
+    api: TinkerApi
+
+    def _serve(self) -> None:
+        length = int(self.headers.get("Content-Length") or 0)
+        body = self.rfile.read(length) if length else b""
+        headers = {k.lower(): v for k, v in self.headers.items()}
+        try:
+            response = self.api.handle(self.command, self.path, headers, body)
+        except Exception as e:  # a bug, not bad input: report it and keep serving
+            response = error_response(500, f"{type(e).__name__}: {e}")
+        self.send_response(response.status)
+        self.send_header("Content-Type", response.content_type)
+        self.send_header("Content-Length", str(len(response.body)))
+        if response.status >= 400:
+            self.send_header("x-should-retry", "false")
+        self.end_headers()
+        self.wfile.write(response.body)
+
+    do_GET = do_POST = do_PUT = do_DELETE = _serve
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - quiet by default
+        pass
+
+
+def start_http(api: TinkerApi, port: int) -> ThreadingHTTPServer:
+    """Serve ``api`` on 127.0.0.1 (loopback only) from a background thread."""
+    handler = type("TinkerHandler", (_Handler, ), {"api": api})
+    server = ThreadingHTTPServer(("127.0.0.1", port), handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, name="tinker-http", daemon=True).start()
+    return server

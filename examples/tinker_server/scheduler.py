@@ -1,0 +1,178 @@
+"""Futures and the request scheduler: strict ``seq_id`` order per model, one executor.
+
+The SDK pipelines requests (a later one can arrive before an earlier result is fetched, and one
+large ``forward_backward`` is split into chunks sent in parallel, the first one last) and retries
+POSTs. So handlers only register work and return a future id at once; jobs are released to the
+executor strictly in each model's ``seq_id`` order, and a retried ``seq_id`` maps to the future
+it already has. No torch or DeepSpeed here: this is plain threading, testable on its own.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class Future:
+    """The result of one request, as ``retrieve_future`` reports it."""
+
+    request_id: str
+    status: str = "pending"  # pending | ok | error
+    result: Any = None
+    error: str = ""
+    category: str = ""  # user | server
+
+
+class FutureStore:
+    """Thread-safe futures with long-poll waiting."""
+
+    def __init__(self, max_kept: int = 100_000) -> None:
+        self._futures: collections.OrderedDict[str, Future] = collections.OrderedDict()
+        self._cond = threading.Condition()
+        self._ids = itertools.count(1)
+        self._max_kept = max_kept
+
+    def create(self) -> Future:
+        with self._cond:
+            future = Future(f"req-{next(self._ids)}")
+            self._futures[future.request_id] = future
+            while len(self._futures) > self._max_kept:  # forget the oldest, finished or not
+                self._futures.popitem(last=False)
+            return future
+
+    def resolve(self, request_id: str, result: Any) -> None:
+        self._finish(request_id, status="ok", result=result)
+
+    def fail(self, request_id: str, error: str, category: str) -> None:
+        self._finish(request_id, status="error", error=error, category=category)
+
+    def _finish(self, request_id: str, **fields: Any) -> None:
+        with self._cond:
+            future = self._futures.get(request_id)
+            if future is None or future.status != "pending":
+                return
+            for name, value in fields.items():
+                setattr(future, name, value)
+            self._cond.notify_all()
+
+    def wait(self, request_id: str, timeout: float) -> Future | None:
+        """The future once finished, or still pending after ``timeout``; None if unknown."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                future = self._futures.get(request_id)
+                remaining = deadline - time.monotonic()
+                if future is None or future.status != "pending" or remaining <= 0:
+                    return future
+                self._cond.wait(remaining)
+
+
+@dataclass
+class Job:
+    """One unit of work for the executor."""
+
+    request_id: str
+    kind: str
+    model_id: str
+    payload: Any = None
+
+
+@dataclass
+class _ModelSequence:
+    next_seq: int
+    waiting: dict[int, Job] = field(default_factory=dict)
+    seen: dict[int, str] = field(default_factory=dict)  # seq_id -> request_id, for retries
+
+
+class Scheduler:
+    """Releases jobs to a single executor: FIFO across models, ``seq_id`` order within one."""
+
+    def __init__(self, futures: FutureStore) -> None:
+        self.futures = futures
+        self._lock = threading.Condition()
+        self._ready: collections.deque[Job] = collections.deque()
+        self._models: dict[str, _ModelSequence] = {}
+        self._stopped = False
+
+    def open_model(self, model_id: str, first_seq: int = 1) -> bool:
+        """Start ordering a model's requests; False if it is already open."""
+        with self._lock:
+            if model_id in self._models:
+                return False
+            self._models[model_id] = _ModelSequence(next_seq=first_seq)
+            return True
+
+    def close_model(self, model_id: str) -> None:
+        with self._lock:
+            self._models.pop(model_id, None)
+
+    def has_model(self, model_id: str) -> bool:
+        with self._lock:
+            return model_id in self._models
+
+    def submit(self, kind: str, model_id: str, payload: Any = None) -> str:
+        """Queue a job that is not part of a model's sequence (model creation, unloading)."""
+        future = self.futures.create()
+        with self._lock:
+            self._ready.append(Job(future.request_id, kind, model_id, payload))
+            self._lock.notify_all()
+        return future.request_id
+
+    def submit_sequenced(self, model_id: str, seq_id: int, kind: str, payload: Any = None,
+                         rejection: str | None = None) -> str:
+        """Queue a job at ``seq_id`` in its model's order and return its future id.
+
+        A ``seq_id`` seen before returns the first future (the SDK's retry). A ``rejection``
+        (a user error found before execution) fails the future now but still fills the slot, so
+        the requests after it run and the pending gradient accumulation is left untouched.
+        Raises KeyError for a model that is not open and ValueError for a ``seq_id`` that
+        already ran under another request.
+        """
+        with self._lock:
+            sequence = self._models[model_id]
+            if seq_id in sequence.seen:
+                return sequence.seen[seq_id]
+            if seq_id < sequence.next_seq:
+                raise ValueError(f"seq_id {seq_id} of model {model_id} already ran (next is {sequence.next_seq})")
+            future = self.futures.create()
+            sequence.seen[seq_id] = future.request_id
+            if rejection is not None:
+                self.futures.fail(future.request_id, rejection, "user")
+                job = Job(future.request_id, "noop", model_id)
+            else:
+                job = Job(future.request_id, kind, model_id, payload)
+            sequence.waiting[seq_id] = job
+            while sequence.next_seq in sequence.waiting:
+                ready = sequence.waiting.pop(sequence.next_seq)
+                sequence.next_seq += 1
+                if ready.kind != "noop":
+                    self._ready.append(ready)
+            self._lock.notify_all()
+            return future.request_id
+
+    def next_job(self, timeout: float) -> Job | None:
+        """The next job to execute, or None after ``timeout`` or once stopped."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            while not self._ready and not self._stopped:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return None
+                self._lock.wait(remaining)
+            if self._stopped:
+                return None
+            return self._ready.popleft()
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopped = True
+            self._lock.notify_all()
+
+    @property
+    def stopped(self) -> bool:
+        return self._stopped

@@ -1,0 +1,145 @@
+"""One rank of the server. Rank 0 serves HTTP and drives; every rank trains.
+
+Rank 0 takes jobs from the scheduler in order, broadcasts each to all ranks, runs its own share
+and gathers the others' parts. The other ranks only follow that broadcast, so every rank sees the
+same commands in the same order and DeepSpeed's collectives line up.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import warnings
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .api import ApiSettings, TinkerApi, start_http
+from .scheduler import FutureStore, Job, Scheduler
+from .wire import UserError
+from .worker import Worker, merge
+
+log = logging.getLogger("tinker_server")
+
+
+@dataclass(frozen=True)
+class RankOptions:
+    port: int
+    zero_stage: int
+    checkpoint_root: Path
+    ready_file: Path | None
+    max_chunk_datums: int
+    compress_fwdbwd: bool
+    long_poll_s: float
+
+
+def versions_line() -> str:
+    """What this ran on: torch, DeepSpeed, and the patch series (the local version label)."""
+    import deepspeed
+
+    version = deepspeed.__version__
+    series = version.split("+", 1)[1] if "+" in version else "none (pristine DeepSpeed)"
+    return f"torch {torch.__version__} | deepspeed {version} | series {series}"
+
+
+def _run_safely(worker: Worker, kind: str, model_id: str, payload: Any) -> tuple[str, Any]:
+    """This rank's part, or the error; never raises, so a failure cannot strand the other ranks."""
+    try:
+        return "ok", worker.run(kind, model_id, payload)
+    except UserError as e:
+        return "user", str(e)
+    except Exception as e:
+        log.exception("rank %d failed on %s for %s", worker.rank, kind, model_id)
+        return "server", f"{type(e).__name__}: {e}"
+
+
+def _execute(worker: Worker, job: Job, futures: FutureStore) -> None:
+    command: list[Any] = [(job.kind, job.model_id, job.payload)]
+    dist.broadcast_object_list(command, src=0)
+    parts: list[Any] = [None] * worker.world_size
+    dist.gather_object(_run_safely(worker, *command[0]), parts, dst=0)
+    failures = [part for part in parts if part[0] != "ok"]
+    if failures:
+        futures.fail(job.request_id, failures[0][1], failures[0][0])
+    else:
+        futures.resolve(job.request_id, merge(job.kind, [part[1] for part in parts]))
+
+
+def _drive(worker: Worker, options: RankOptions) -> None:
+    """Rank 0: serve HTTP, execute jobs in order until SIGTERM/SIGINT, then stop the followers."""
+    futures = FutureStore()
+    scheduler = Scheduler(futures)
+    api = TinkerApi(scheduler, ApiSettings(options.checkpoint_root, options.max_chunk_datums, options.compress_fwdbwd,
+                                           options.long_poll_s))
+    http = start_http(api, options.port)
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: scheduler.stop())
+    base_url = f"http://127.0.0.1:{http.server_address[1]}"
+    print(f"[tinker-server] {versions_line()}", flush=True)
+    print(f"[tinker-server] {worker.world_size} ranks, ZeRO stage {worker.zero_stage}, "
+          f"serving {base_url} (pid {os.getpid()})", flush=True)
+    if options.ready_file is not None:
+        tmp = options.ready_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"base_url": base_url, "pid": os.getpid()}))
+        tmp.replace(options.ready_file)
+    try:
+        while not scheduler.stopped:
+            job = scheduler.next_job(timeout=1.0)
+            if job is None:
+                continue
+            if job.kind == "save_weights":
+                try:
+                    worker.prepare_save(job.model_id, job.payload)
+                except UserError as e:
+                    futures.fail(job.request_id, str(e), "user")
+                    continue
+            _execute(worker, job, futures)
+    finally:
+        dist.broadcast_object_list([None], src=0)
+        http.shutdown()
+        print("[tinker-server] stopped", flush=True)
+
+
+def _follow(worker: Worker) -> None:
+    """Ranks > 0: run whatever rank 0 broadcasts until it broadcasts None."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C reaches rank 0, which stops us
+    while True:
+        command: list[Any] = [None]
+        dist.broadcast_object_list(command, src=0)
+        if command[0] is None:
+            return
+        dist.gather_object(_run_safely(worker, *command[0]), None, dst=0)
+
+
+def run_rank(options: RankOptions) -> int:
+    """Entry point of one rank process; the launcher sets RANK, WORLD_SIZE and MASTER_* ."""
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    warnings.filterwarnings("ignore", category=FutureWarning)  # libraries' deprecation notices, not ours
+    # Ranks > 0 wait in a broadcast while the server is idle: give that wait a day, not 30 minutes.
+    dist.init_process_group("gloo", timeout=timedelta(days=1))
+    import deepspeed
+    from deepspeed.utils import logger as ds_logger
+
+    ds_logger.setLevel(logging.WARNING)
+    # DeepSpeed's CPU shared-memory all-reduce op serves inference only and never unlinks its 64 MiB
+    # /dev/shm buffer per rank: keep it out of these gloo ranks.
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    deepspeed.init_distributed(dist_backend="gloo")
+    worker = Worker(dist.get_rank(), dist.get_world_size(), options.zero_stage)
+    try:
+        if worker.rank == 0:
+            _drive(worker, options)
+        else:
+            _follow(worker)
+    finally:
+        try:
+            dist.destroy_process_group()
+        except Exception as e:  # a peer that already exited is no reason to fail a clean stop
+            log.warning("rank %d: destroy_process_group: %s", worker.rank, e)
+    return 0

@@ -1,0 +1,225 @@
+"""The DeepSpeed side: one engine per training model, on every rank, in unmanaged mode.
+
+Every rank runs every command in the same order (rank 0 broadcasts them), so collectives line up.
+A ``forward_backward`` request is split into contiguous shares of its datums, one per rank, and
+ends in exactly one ``engine.backward(loss_sum, scale_wrt_gas=False)`` per rank; an
+``optim_step`` is one ``engine.step()`` whose gradient is the plain SUM over ranks and requests.
+"""
+
+from __future__ import annotations
+
+import gc
+import inspect
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from .model import build_model, cross_entropy_sum, token_logprobs
+from .wire import Datum, FwdBwdRequest, UserError
+
+CHECKPOINT_TAG = "state"
+WEIGHTS_FILE = "model_weights.pt"
+META_FILE = "tinker_meta.json"
+
+
+def ds_config(zero_stage: int) -> dict[str, Any]:
+    """Unmanaged mode, fp32, torch's AdamW; hyper-parameters are overwritten before every step."""
+    zero: dict[str, Any] = {"stage": zero_stage}
+    if zero_stage == 3:
+        zero["stage3_gather_16bit_weights_on_model_save"] = True  # so save_weights can export
+    return {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "managed_gradient_accumulation": False,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "betas": [0.9, 0.95], "eps": 1e-12,
+                                                    "weight_decay": 0.0, "torch_adam": True}},
+        "zero_optimization": zero,
+        "gradient_clipping": 0.0,  # DeepSpeed's default is 1.0; clipping is per step here
+        "steps_per_print": 2**31 - 1,
+    }
+
+
+def sum_over_ranks(engine: Any) -> tuple[float, dict[str, float]]:
+    """(loss multiplier, ``step()`` kwargs) that make the applied gradient the plain SUM over ranks.
+
+    ``step(gradient_divide_factor=1.0)`` says so directly where the series has it; otherwise
+    step() averages over the data-parallel world, which multiplying each loss by that size undoes.
+    """
+    if "gradient_divide_factor" in inspect.signature(engine.step).parameters:
+        return 1.0, {"gradient_divide_factor": 1.0}
+    return float(engine.dp_world_size), {}
+
+
+def apply_step_hyperparameters(engine: Any, adam: dict[str, float]) -> None:
+    """Set this step's AdamW hyper-parameters and clip norm (tinker sends them with every step).
+
+    DeepSpeed reads the clip norm from its config at step time without ZeRO, and from the ZeRO
+    optimizer's ``clip_grad`` with it; both are set.
+    """
+    for group in engine.optimizer.param_groups:
+        group["lr"] = adam["learning_rate"]
+        group["betas"] = (adam["beta1"], adam["beta2"])
+        group["eps"] = adam["eps"]
+        group["weight_decay"] = adam["weight_decay"]
+    engine._config.gradient_clipping = adam["grad_clip_norm"]
+    if hasattr(engine.optimizer, "clip_grad"):
+        engine.optimizer.clip_grad = adam["grad_clip_norm"]
+
+
+def share(n: int, rank: int, world_size: int) -> range:
+    """The contiguous slice of ``n`` datums this rank runs (earlier ranks take the remainder)."""
+    base, extra = divmod(n, world_size)
+    start = rank * base + min(rank, extra)
+    return range(start, start + base + (1 if rank < extra else 0))
+
+
+def pad_batch(data: list[Datum]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded (tokens, targets, weights); padding has weight 0 so it adds nothing."""
+    if not data:  # an idle rank still runs a forward: ZeRO-3 gathers parameters collectively
+        return torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, 1)
+    length = max(len(d.tokens) for d in data)
+    tokens = torch.zeros(len(data), length, dtype=torch.long)
+    targets = torch.zeros(len(data), length, dtype=torch.long)
+    weights = torch.zeros(len(data), length)
+    for i, d in enumerate(data):
+        tokens[i, :len(d.tokens)] = torch.from_numpy(d.tokens)
+        targets[i, :len(d.targets)] = torch.from_numpy(d.targets)
+        weights[i, :len(d.weights)] = torch.from_numpy(d.weights)
+    return tokens, targets, weights
+
+
+@dataclass
+class TrainingModel:
+    engine: Any
+    requests: int = 0  # forward_backward requests accumulated since the last step
+    datums: int = 0
+    steps: int = 0
+
+
+class Worker:
+    """Executes commands on this rank; returns this rank's part of the result."""
+
+    def __init__(self, rank: int, world_size: int, zero_stage: int) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.zero_stage = zero_stage
+        self.models: dict[str, TrainingModel] = {}
+
+    def run(self, kind: str, model_id: str, payload: Any) -> Any:
+        if kind == "create":
+            return self._create(model_id, payload)
+        if kind == "unload":
+            self.models.pop(model_id, None)
+            gc.collect()
+            return {}
+        if model_id not in self.models:
+            raise RuntimeError(f"model {model_id} is not loaded on rank {self.rank}")
+        model = self.models[model_id]
+        if kind in ("forward_backward", "forward"):
+            return self._forward_backward(model, payload)
+        if kind == "optim_step":
+            return self._optim_step(model, payload)
+        if kind == "save_weights":
+            return self._save(model, payload)
+        if kind == "load_weights":
+            return self._load(model, payload)
+        raise RuntimeError(f"unknown command {kind!r}")
+
+    def prepare_save(self, model_id: str, job: dict[str, Any]) -> None:
+        """Rank 0, before broadcasting a save: refuse early, and never clobber a checkpoint unasked."""
+        if model_id in self.models:
+            self._refuse_pending(self.models[model_id], "save_weights")
+        directory = Path(job["dir"])
+        if directory.exists():
+            if not job["overwrite"]:
+                raise UserError(f"checkpoint {job['path']} exists (pass overwrite=True to replace it)")
+            shutil.rmtree(directory)
+        directory.mkdir(parents=True)
+
+    def _create(self, model_id: str, record: Any) -> dict[str, Any]:
+        import deepspeed
+
+        module = build_model(record.base_model, record.lora)
+        trainable = [p for p in module.parameters() if p.requires_grad]
+        engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=trainable,
+                                               config=ds_config(self.zero_stage))
+        if getattr(engine, "managed_gradient_accumulation", lambda: True)():
+            raise RuntimeError("this DeepSpeed does not run in unmanaged mode; install the patch series")
+        self.models[model_id] = TrainingModel(engine)
+        return {"model_id": model_id, "type": "create_model"}
+
+    def _forward_backward(self, model: TrainingModel, request: FwdBwdRequest) -> list[tuple[np.ndarray, np.ndarray]]:
+        mine = [request.data[i] for i in share(len(request.data), self.rank, self.world_size)]
+        tokens, targets, weights = pad_batch(mine)
+        engine = model.engine
+        if request.forward_only:
+            with torch.no_grad():
+                logprobs = token_logprobs(engine, tokens, targets)
+        else:
+            logprobs = token_logprobs(engine, tokens, targets)
+            multiplier, _ = sum_over_ranks(engine)
+            engine.backward(cross_entropy_sum(logprobs, weights) * multiplier, scale_wrt_gas=False)
+            model.requests += 1
+            model.datums += len(request.data)
+        logprobs = logprobs.detach()
+        losses = -logprobs * weights
+        return [(logprobs[i, :len(d.tokens)].numpy().copy(), losses[i, :len(d.tokens)].numpy().copy())
+                for i, d in enumerate(mine)]
+
+    def _optim_step(self, model: TrainingModel, adam: dict[str, float]) -> dict[str, Any]:
+        if model.requests == 0:  # same count on every rank, so every rank refuses together
+            raise UserError("optim_step without a forward_backward since the previous optim_step: "
+                            "no gradient to apply")
+        engine = model.engine
+        apply_step_hyperparameters(engine, adam)
+        _, step_kwargs = sum_over_ranks(engine)
+        engine.step(**step_kwargs)
+        model.steps += 1
+        metrics = {"fwdbwd_requests:sum": float(model.requests), "datums:sum": float(model.datums),
+                   "optim_steps:max": float(model.steps)}
+        model.requests = model.datums = 0
+        return {"metrics": metrics, "type": "optim_step"}
+
+    @staticmethod
+    def _refuse_pending(model: TrainingModel, what: str) -> None:
+        if model.requests:
+            raise UserError(f"{what} with {model.requests} forward_backward request(s) since the last optim_step "
+                            "would drop their gradients: call optim_step first")
+
+    def _save(self, model: TrainingModel, job: dict[str, Any]) -> dict[str, Any]:
+        self._refuse_pending(model, "save_weights")
+        directory = Path(job["dir"])
+        engine = model.engine
+        engine.save_checkpoint(str(directory), tag=CHECKPOINT_TAG, client_state={"tinker_steps": model.steps})
+        engine.save_16bit_model(str(directory), WEIGHTS_FILE)
+        if self.rank == 0:  # written last: its presence marks a complete checkpoint
+            meta = dict(job["meta"], zero_stage=self.zero_stage, world_size=self.world_size, steps=model.steps)
+            (directory / META_FILE).write_text(json.dumps(meta, indent=1))
+        return {"path": job["path"], "type": "save_weights"}
+
+    def _load(self, model: TrainingModel, job: dict[str, Any]) -> dict[str, Any]:
+        self._refuse_pending(model, "load_weights")
+        engine = model.engine
+        _, client_state = engine.load_checkpoint(job["dir"], tag=CHECKPOINT_TAG,
+                                                 load_optimizer_states=job["optimizer"],
+                                                 load_lr_scheduler_states=False,
+                                                 load_module_only=not job["optimizer"])
+        if job["optimizer"] and client_state:
+            model.steps = int(client_state.get("tinker_steps", 0))
+        return {"path": job["path"], "type": "load_weights"}
+
+
+def merge(kind: str, parts: list[Any]) -> Any:
+    """Rank 0: one result from every rank's part (datum shares concatenate in rank order)."""
+    if kind in ("forward_backward", "forward"):
+        from .wire import FwdBwdResult
+
+        pairs = [pair for part in parts for pair in part]
+        return FwdBwdResult(tuple(p[0] for p in pairs), tuple(p[1] for p in pairs))
+    return parts[0]
+
