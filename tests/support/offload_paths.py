@@ -1,5 +1,8 @@
 """ZeRO-Offload engine configurations (PR 4), in the same ``Path`` form as ``support.paths``.
 
+Optimizer offload (CPU and NVMe) for ZeRO stages 1, 2 and 3, parameter offload (CPU and NVMe) for
+stage 3.
+
 ``OFFLOAD_PATHS`` is meant to be merged into ``support.paths.PATHS``; until it is, importing this module
 registers it there, so the shared scenarios (which look paths up by name in ``PATHS``) find them.
 
@@ -56,7 +59,45 @@ OFFLOAD_PATHS: dict[str, Path] = {
     "zero2-offload-nvme": _offload(2, device="nvme", nvme_path=NVME_PATH),
 }
 
+
+
+def _offload3(dtype: str = "fp32", *, model_fn=make_model, needs_fp16: bool = False, extra: dict = None,
+              optimizer: dict = None, param: dict = None, **zero: Any) -> Path:
+    # Persistence threshold 0 partitions (and, with offload_param, offloads) every parameter.
+    zero = {"stage3_param_persistence_threshold": 0, **zero}
+    if optimizer is not None:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True, **optimizer}
+    if param is not None:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": True, **param}
+    return Path(3, dtype, {**CLIP, **WARMUP, **(extra or {}), "zero_optimization": zero},
+                model_fn=model_fn,
+                needs_fp16=needs_fp16)
+
+
+# NVMe swapping: small aligned buffers for the tiny test model.
+AIO = {"aio": {"block_size": 4096, "queue_depth": 4, "intra_op_parallelism": 1, "single_submit": False,
+               "overlap_events": True}}
+NVME = {"device": "nvme", "nvme_path": NVME_PATH}
+
+#: ZeRO stage 3 with optimizer offload, parameter offload, both, and partial offload.
+OFFLOAD_3_PATHS: dict[str, Path] = {
+    "zero3-offload": _offload3(optimizer={}),
+    "zero3-offload-no-pin": _offload3(optimizer={"pin_memory": False}),
+    "zero3-offload-bf16": _offload3("bf16", optimizer={}),
+    "zero3-offload-fp16": _offload3("fp16", needs_fp16=True, optimizer={}),
+    "zero3-offload-cpu-adam": _offload3(optimizer={}, extra=CPU_ADAM),
+    "zero3-offload-branchy": _offload3(model_fn=make_branchy_model, optimizer={}),
+    # two of the four 50-element sub-groups stay on the device, stepped by torch AdamW
+    "zero3-offload-ratio": _offload3(optimizer={"ratio": 0.5}, extra=CPU_ADAM, sub_group_size=50),
+    "zero3-offload-nvme": _offload3(optimizer=NVME, extra={**CPU_ADAM, **AIO}),
+    "zero3-offload-param": _offload3(param={}),
+    "zero3-offload-param-and-optimizer": _offload3(param={}, optimizer={}),
+    "zero3-offload-param-nvme": _offload3(param={**NVME, "buffer_count": 8, "buffer_size": 4096}, optimizer={},
+                                          extra=AIO),
+}
+OFFLOAD_PATHS.update(OFFLOAD_3_PATHS)
+
 #: Dynamic loss-scale fp16 offload paths, for the overflow-inside-an-accumulation tests.
-OFFLOAD_FP16_DYNAMIC = ["zero1-offload-fp16", "zero2-offload-fp16"]
+OFFLOAD_FP16_DYNAMIC = ["zero1-offload-fp16", "zero2-offload-fp16", "zero3-offload-fp16"]
 
 PATHS.update(OFFLOAD_PATHS)

@@ -269,3 +269,189 @@ def sixteen_bit_export_parity(path_name: str, save_dir: str) -> None:
 
         assert states[0].keys() == states[1].keys()
         assert all(bitwise_equal(states[0][k], states[1][k]) for k in states[0]), "16-bit exports differ"
+
+
+# ----------------------------------------------------------------------------------------------
+# PR 5: step(gradient_divide_factor=...)
+# ----------------------------------------------------------------------------------------------
+
+
+def _token_mask(step: int, index: int, rank: int) -> torch.Tensor:
+    """Which output elements ("tokens") of a micro-batch count; a different number per micro-batch."""
+    from .training import MICRO_BATCH, OUTPUTS
+
+    g = torch.Generator().manual_seed(7_000_003 * step + 7919 * index + rank)
+    mask = (torch.rand(MICRO_BATCH, OUTPUTS, generator=g) < 0.6).float()
+    mask[0, 0] = 1.0
+    return mask
+
+
+def _token_sum_loss(engine, step: int, index: int) -> tuple:
+    """Raw sum of per-token squared errors over the micro-batch's tokens, and the token count."""
+    from .training import micro_batch, model_dtype
+    import deepspeed.comm as dist
+
+    x, y = micro_batch(step, index, dtype=model_dtype(engine))
+    mask = _token_mask(step, index, dist.get_rank()).to(engine.device)
+    from . import training
+    training._CURRENT = (step, index)
+    out = engine(x.to(engine.device)).float()
+    return ((out - y.to(engine.device).float()).pow(2) * mask).sum(), mask.sum()
+
+
+def _global_tokens(plan_step_n: int, step: int) -> float:
+    world = ds_comm.get_world_size()
+    return float(sum(_token_mask(step, i, r).sum() for r in range(world) for i in range(plan_step_n)))
+
+
+def _run_token_mean(path_name: str, plan: list, predivide: bool, as_tensor: bool = False, **more) -> object:
+    engine = PATHS[path_name].initialize(gas=1, managed=False, scheduler=None, **more)
+    norms = []
+    for step, n in enumerate(plan):
+        tokens = _global_tokens(n, step)
+        for i in range(n):
+            loss, _ = _token_sum_loss(engine, step, i)
+            engine.backward(loss / tokens if predivide else loss, scale_wrt_gas=False)
+        assert engine.pending_backward_count() == n
+        factor = 1.0 if predivide else tokens
+        engine.step(gradient_divide_factor=torch.tensor(factor) if as_tensor else factor)
+        assert engine.pending_backward_count() == 0
+        norms.append(engine.get_global_grad_norm())
+    result = snapshot(engine)
+    result.scalars["norms"] = norms
+    destroy(engine)
+    return result
+
+
+def _tolerance(snap, name: str) -> dict:
+    """fp32: a few ulps through Adam (see above). bf16/fp16 parameters are stored rounded to 8/11 mantissa
+    bits, and gradients computed from differently scaled losses round differently in backward: allow two
+    units in the last place of the stored dtype at magnitude 1."""
+    eps = torch.finfo(snap.params[name].dtype).eps
+    return dict(rtol=1e-5, atol=1e-6) if snap.params[name].dtype == torch.float32 else dict(rtol=0, atol=2 * eps)
+
+
+def token_mean_matches_full_batch_and_predivided(path_name: str, plan: list) -> None:
+    """(a) Sums of raw per-token losses over a variable N, normalised by the global token count at step(),
+    match a single-process full-batch token-mean reference and the same run with pre-divided losses.
+
+    Tolerances: the three computations sum the same fp32 terms in different orders (per micro-batch,
+    across ranks, then one multiplication; versus one batch) and Adam normalises the update, so the
+    parameters agree to ~lr * 1e-6 after a handful of steps: rtol 1e-5, atol 1e-6.
+    """
+    from .training import make_model, micro_batch, model_dtype
+
+    raw = _run_token_mean(path_name, plan, predivide=False, gradient_clipping=0.0)
+    predivided = _run_token_mean(path_name, plan, predivide=True, as_tensor=True, gradient_clipping=0.0)
+    for name in raw.params:
+        torch.testing.assert_close(raw.params[name].float(), predivided.params[name].float(), **_tolerance(raw, name))
+    # (c) the norm (and so clipping) sees the normalised gradient; DeepSpeed records no norm without a
+    # DeepSpeed optimizer wrapper (plain fp32 without ZeRO), in either mode
+    if raw.scalars["norms"][0] is not None:
+        low_precision = PATHS[path_name].dtype != "fp32"
+        rtol = 2 * torch.finfo(torch.bfloat16 if PATHS[path_name].dtype == "bf16" else torch.float16).eps \
+            if low_precision else 1e-5
+        torch.testing.assert_close(torch.tensor(raw.scalars["norms"]), torch.tensor(predivided.scalars["norms"]),
+                                   rtol=rtol, atol=0)
+    if PATHS[path_name].dtype != "fp32" or PATHS[path_name].model_fn is not make_model:
+        return
+    world = ds_comm.get_world_size()
+    reference = make_model()
+    optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.01)
+    for step, n in enumerate(plan):
+        optimizer.zero_grad()
+        total, tokens = 0.0, 0.0
+        for r in range(world):
+            for i in range(n):
+                x, y = micro_batch(step, i, r)
+                mask = _token_mask(step, i, r)
+                total = total + ((reference(x) - y).pow(2) * mask).sum()
+                tokens += float(mask.sum())
+        (total / tokens).backward()
+        optimizer.step()
+    for name, p in reference.named_parameters():
+        torch.testing.assert_close(raw.params[name], p.detach(), rtol=1e-5, atol=1e-6)
+
+
+def micro_batch_mean_recipe_equals_managed(path_name: str, n: int) -> None:
+    """(b) Raw losses, then step(gradient_divide_factor=pending_backward_count() * dp_world_size) is the
+    mean over all micro-batches: managed mode with gradient_accumulation_steps=N, up to rounding (managed
+    divides every gradient by N during backward; the factor divides the reduced sum once)."""
+    managed = PATHS[path_name].initialize(gas=n, managed=True, scheduler=None)
+    run_managed(managed, [n] * STEPS)
+    expected = snapshot(managed)
+    destroy(managed)
+    engine = PATHS[path_name].initialize(gas=n, managed=False, scheduler=None)
+    for step in range(STEPS):
+        for i in range(n):
+            engine.backward(forward_loss(engine, step, i), scale_wrt_gas=False)
+        engine.step(gradient_divide_factor=engine.pending_backward_count() * engine.dp_world_size)
+    actual = snapshot(engine)
+    destroy(engine)
+    for name in expected.params:
+        torch.testing.assert_close(actual.params[name].float(), expected.params[name].float(), rtol=1e-5, atol=1e-6)
+    if expected.scalars["grad_norm"] is not None:
+        torch.testing.assert_close(actual.scalars["grad_norm"], expected.scalars["grad_norm"], rtol=1e-5, atol=0)
+
+
+def clipping_sees_the_normalised_gradient(path_name: str) -> None:
+    """(c) With clipping on, raw losses + factor equal pre-divided losses + factor 1."""
+    plan = [2, 3]
+    raw = _run_token_mean(path_name, plan, predivide=False, gradient_clipping=0.01)
+    predivided = _run_token_mean(path_name, plan, predivide=True, gradient_clipping=0.01)
+    for name in raw.params:
+        torch.testing.assert_close(raw.params[name].float(), predivided.params[name].float(), **_tolerance(raw, name))
+    assert all(norm is None or norm > 0.01 for norm in raw.scalars["norms"]), "the test must actually clip"
+
+
+def factor_differing_across_ranks_raises_everywhere(path_name: str) -> str:
+    engine = PATHS[path_name].initialize(gas=1, managed=False)
+    engine.backward(forward_loss(engine, 0, 0))
+    with pytest.raises(ValueError, match="identical on every data-parallel rank") as error:
+        engine.step(gradient_divide_factor=10.0 + ds_comm.get_rank())
+    destroy(engine)
+    return str(error.value)
+
+
+def factor_errors(path_name: str) -> None:
+    engine = PATHS[path_name].initialize(gas=1, managed=False)
+    engine.backward(forward_loss(engine, 0, 0))
+    for bad in (0, -1.0, float("inf")):
+        with pytest.raises(ValueError, match="positive and finite"):
+            engine.step(gradient_divide_factor=bad)
+    destroy(engine)
+    managed = PATHS[path_name].initialize(gas=1, managed=True)
+    managed.backward(forward_loss(managed, 0, 0))
+    with pytest.raises(ValueError, match="requires managed_gradient_accumulation=false"):
+        managed.step(gradient_divide_factor=4.0)
+    destroy(managed)
+
+
+def gas_scaling_mismatch_warnings(path_name: str) -> list:
+    """(e) Count the warnings for: N == GAS, N != GAS (twice), scale_wrt_gas=False, and with a factor."""
+    from deepspeed.utils import logger
+
+    seen = []
+    original = logger.warning
+    logger.warning = lambda msg, *a, **k: seen.append(str(msg))
+    try:
+        counts = []
+        engine = PATHS[path_name].initialize(gas=2, managed=False)
+
+        def step(n, **kwargs):
+            before = len([m for m in seen if "gradient_accumulation_steps=2" in m])
+            scale = kwargs.pop("scale_wrt_gas", True)
+            for i in range(n):
+                engine.backward(forward_loss(engine, 0, i), scale_wrt_gas=scale)
+            engine.step(**kwargs)
+            counts.append(len([m for m in seen if "gradient_accumulation_steps=2" in m]) - before)
+
+        step(2)  # matches the configured GAS
+        step(3, scale_wrt_gas=False)  # nothing was divided
+        step(3, scale_wrt_gas=False, gradient_divide_factor=3.0)
+        step(3)  # the classic mis-scaling: warns
+        step(1)  # again, but only once per engine
+        destroy(engine)
+        return counts
+    finally:
+        logger.warning = original

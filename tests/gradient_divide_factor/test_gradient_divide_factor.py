@@ -1,0 +1,45 @@
+"""PR 5: step(gradient_divide_factor=...) normalises the summed gradient once per step, on every stage."""
+
+import pytest
+
+from support import scenarios
+
+pytestmark = pytest.mark.pr(5)
+
+STAGE_PATHS = ["fp32-deepspeed-optimizer", "zero1-fp32", "zero2-fp32", "zero2-overlap-comm", "zero3-fp32",
+               "zero1-bf16-fp32-accumulation", "zero2-bf16", "fp16-unfused"]
+
+
+@pytest.mark.world_size(1, 2, 4)
+@pytest.mark.parametrize("path_name", STAGE_PATHS)
+def test_token_sums_divided_by_global_token_count_give_the_token_mean(dist, path_name):
+    dist.run(scenarios.token_mean_matches_full_batch_and_predivided, path_name, [1, 3, 2, 5])
+
+
+@pytest.mark.world_size(1, 2, 4)
+@pytest.mark.parametrize("path_name", ["fp32-deepspeed-optimizer", "zero1-fp32", "zero2-fp32", "zero3-fp32"])
+def test_micro_batch_mean_recipe_equals_managed_gas_n(dist, path_name):
+    dist.run(scenarios.micro_batch_mean_recipe_equals_managed, path_name, 3)
+
+
+@pytest.mark.world_size(1, 2)
+@pytest.mark.parametrize("path_name", ["fp32-deepspeed-optimizer", "zero2-fp32", "zero3-fp32"])
+def test_norm_and_clipping_see_the_normalised_gradient(dist, path_name):
+    dist.run(scenarios.clipping_sees_the_normalised_gradient, path_name)
+
+
+@pytest.mark.world_size(2, 4)
+@pytest.mark.parametrize("path_name", ["zero1-fp32", "zero3-fp32"])
+def test_a_factor_differing_across_ranks_raises_on_every_rank(dist, path_name):
+    messages = dist.run(scenarios.factor_differing_across_ranks_raises_everywhere, path_name)
+    assert len(set(messages)) == 1, messages
+
+
+@pytest.mark.world_size(1)
+def test_invalid_factors_and_managed_mode_are_errors(dist):
+    dist.run(scenarios.factor_errors, "zero1-fp32")
+
+
+@pytest.mark.world_size(1, 2)
+def test_gas_scaling_mismatch_warns_once_exactly_when_it_should(dist):
+    assert dist.run(scenarios.gas_scaling_mismatch_warnings, "zero1-fp32")[0] == [0, 0, 0, 1, 0]
