@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -82,9 +83,14 @@ def main(argv: list[str] | None = None) -> int:
         return _demo(args)
     from .server import RankOptions, run_rank
 
-    return run_rank(RankOptions(port=args.port, zero_stage=args.zero_stage, checkpoint_root=args.checkpoint_dir,
+    code = run_rank(RankOptions(port=args.port, zero_stage=args.zero_stage, checkpoint_root=args.checkpoint_dir,
                                 ready_file=args.ready_file, max_chunk_datums=args.max_chunk_datums,
                                 compress_fwdbwd=not args.no_compress, long_poll_s=args.long_poll_s))
+    # A rank that stopped cleanly exits without interpreter teardown: C++ threads left by the libraries
+    # (seen with ZeRO-3) abort the process ("terminate called without an active exception") otherwise.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -51,3 +51,13 @@ def test_boundary_and_bookkeeping(dist):
     dist.run(scenarios.boundary_only_during_step, "zero2-fp32")
     dist.run(scenarios.bookkeeping, "zero2-fp32", False)
     dist.run(scenarios.bookkeeping, "zero2-fp32", True)
+
+
+@pytest.mark.world_size(1, 2, 4)
+@pytest.mark.parametrize("path_name", ["zero2-wide", "zero2-wide-overlap-comm"])
+def test_gradient_memory_held_across_backwards_equals_managed(dist, path_name):
+    from support.memory_assertions import assert_same_gradient_memory
+
+    managed = dist.run(scenarios.gradient_bytes_held_across_backwards, path_name, True, 4)
+    unmanaged = dist.run(scenarios.gradient_bytes_held_across_backwards, path_name, False, 4)
+    assert_same_gradient_memory(managed, unmanaged, bucket_bytes=4 * 20000)

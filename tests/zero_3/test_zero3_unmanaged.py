@@ -65,3 +65,12 @@ def test_16bit_model_export_after_unmanaged_steps(dist, path_name, tmp_path):
 def test_mics_equals_managed_gas_n(dist):
     dist.run(scenarios.fixed_n_parity, "zero3-mics", 3)
     dist.run(scenarios.variable_n_parity, "zero3-mics", [1, 3, 2])
+
+
+@pytest.mark.world_size(1, 2, 4)
+def test_gradient_memory_held_across_backwards_equals_managed(dist):
+    from support.memory_assertions import assert_same_gradient_memory
+
+    managed = dist.run(scenarios.gradient_bytes_held_across_backwards, "zero3-wide", True, 4)
+    unmanaged = dist.run(scenarios.gradient_bytes_held_across_backwards, "zero3-wide", False, 4)
+    assert_same_gradient_memory(managed, unmanaged, bucket_bytes=4 * 20000)
