@@ -222,7 +222,8 @@ def _live_cpu_tensor_bytes() -> int:
     gc.collect()
     storages = {}
     for obj in gc.get_objects():
-        if isinstance(obj, torch.Tensor) and obj.device.type == "cpu":
+        # Plain tensors and parameters only: fake/functional tensors other code left behind have no data.
+        if type(obj) in (torch.Tensor, torch.nn.Parameter) and obj.device.type == "cpu":
             storage = obj.untyped_storage()
             storages[storage.data_ptr()] = storage.nbytes()
     return sum(storages.values())

@@ -1,0 +1,17 @@
+"""Parametrisation helpers: every engine configuration is a test case tagged with the PR that supports it."""
+
+from __future__ import annotations
+
+import pytest
+
+from .paths import PATHS
+
+
+def pr_of(path_name: str) -> int:
+    """PR 1 brings stages 0/1, PR 2 stage 2, PR 3 stage 3 (offload configurations carry their own)."""
+    return {0: 1, 1: 1, 2: 2, 3: 3}[PATHS[path_name].stage]
+
+
+def cases(*path_names: str) -> list:
+    """pytest params for ``path_names``, each marked with its PR so that ``--upto K`` selects it."""
+    return [pytest.param(name, id=name, marks=pytest.mark.pr(pr_of(name))) for name in path_names]
