@@ -9,10 +9,10 @@ set -euo pipefail
 # shellcheck source=tools/test.sh
 source "$(dirname "${BASH_SOURCE[0]}")/test.sh"
 
-# >>> DEMO COMMAND (placeholder until the Tinker-protocol server demo is wired in; then e.g.
-#     DEMO=(bash examples/tinker_server/run_demo.sh), which installs its own extra requirements)
-DEMO=("$DS_SERIES_PY" examples/rpc_training_loop.py)
-# <<<
+# The Tinker-protocol server on 2 CPU ranks, driven by the official tinker SDK (an SFT loop with a
+# varying number of forward_backward calls per step). The simpler RPC-style loop of PR 1 is
+# `python examples/rpc_training_loop.py`.
+DEMO=(bash examples/tinker_server/run_demo.sh)
 
 ds_series_setup
 cd "$DS_SERIES_ROOT"

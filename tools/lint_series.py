@@ -31,7 +31,7 @@ import stack  # noqa: E402
 YAPF_STYLE = "{based_on_style: pep8, column_limit: 119, split_all_comma_separated_values: false}"
 FLAKE8_ARGS = ("--isolated", "--ignore=E,F403,F405,F541,F841,W", "--select=E9,F,W6",
                "--per-file-ignores=__init__.py:F401")
-CODESPELL_ARGS = ("--ignore-words-list=youn,unsupport,noe,cann", )
+CODESPELL_ARGS = ("--ignore-words-list=youn,unsupport,noe,cann", )  # codespell:ignore
 
 _FLAKE8_LINE = re.compile(r"^(?P<path>.+?):(?P<line>\d+):(?P<col>\d+): (?P<code>\S+) (?P<message>.*)$")
 _CODESPELL_LINE = re.compile(r"^(?P<path>.+?):(?P<line>\d+): (?P<word>.+?) ==> (?P<fix>.*)$")
@@ -49,7 +49,10 @@ class Finding:
 
 
 def _run(*cmd: str, cwd: Path | None = None) -> str:
-    result = subprocess.run([sys.executable, "-m", *cmd], cwd=cwd, text=True, stdout=subprocess.PIPE,
+    result = subprocess.run([sys.executable, "-m", *cmd],
+                            cwd=cwd,
+                            text=True,
+                            stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE)
     if result.returncode not in (0, 1, 65):  # 1: findings (yapf, flake8), 65: misspellings (codespell)
         raise stack.StackError(f"{' '.join(cmd[:1])} failed ({result.returncode}):\n{result.stderr.strip()}")
@@ -58,7 +61,9 @@ def _run(*cmd: str, cwd: Path | None = None) -> str:
 
 def _show(repo: Path, rev: str, path: str, out_root: Path) -> Path | None:
     """Write ``rev:path`` under ``out_root`` (keeping the relative path); None if it does not exist."""
-    result = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=repo, stdout=subprocess.PIPE,
+    result = subprocess.run(["git", "show", f"{rev}:{path}"],
+                            cwd=repo,
+                            stdout=subprocess.PIPE,
                             stderr=subprocess.DEVNULL)
     if result.returncode != 0:
         return None
@@ -86,17 +91,18 @@ def _yapf_hunks(path: Path | None) -> list[list[str]]:
 
 def yapf_findings(rel: str, before: Path | None, after: Path) -> list[Finding]:
     """Hunks yapf would change in ``after`` that change lines not already off-style in ``before``."""
-    allowance = Counter(l[1:] for hunk in _yapf_hunks(before) for l in hunk if l.startswith("-"))
+    allowance = Counter(line[1:] for hunk in _yapf_hunks(before) for line in hunk if line.startswith("-"))
     findings = []
     for hunk in _yapf_hunks(after):
         new = False
-        for line in (l[1:] for l in hunk if l.startswith("-")):
+        for line in (diff_line[1:] for diff_line in hunk if diff_line.startswith("-")):
             if allowance[line] > 0:
                 allowance[line] -= 1
             else:
                 new = True
         if new:
-            findings.append(Finding("yapf", rel, "would reformat:\n" + "\n".join(f"      {l}" for l in hunk)))
+            findings.append(
+                Finding("yapf", rel, "would reformat:\n" + "\n".join(f"      {diff_line}" for diff_line in hunk)))
     return findings
 
 
@@ -130,8 +136,12 @@ def flake8_findings(rel: str, before_root: Path | None, after_root: Path) -> lis
 
 def _changed_lines(repo: Path, base: str, head: str, rel: str) -> tuple[list[tuple[int, str]], list[str]]:
     """(line number in head, text) of the lines the change adds, and the texts of the lines it removes."""
-    diff = subprocess.run(["git", "diff", "-U0", "--no-renames", "--no-color", base, head, "--", rel], cwd=repo,
-                          text=True, errors="replace", stdout=subprocess.PIPE, check=True).stdout
+    diff = subprocess.run(["git", "diff", "-U0", "--no-renames", "--no-color", base, head, "--", rel],
+                          cwd=repo,
+                          text=True,
+                          errors="replace",
+                          stdout=subprocess.PIPE,
+                          check=True).stdout
     added, removed, lineno = [], [], 0
     for line in diff.splitlines():
         hunk = _HUNK.match(line)
@@ -178,8 +188,11 @@ def codespell_findings(repo: Path, base: str, head: str, rel: str, workdir: Path
 
 def lint_change(repo: Path, base: str, head: str) -> list[Finding]:
     """Everything the commit range ``base..head`` of ``repo`` adds to DeepSpeed's lint findings."""
-    status = subprocess.run(["git", "diff", "--name-status", "--no-renames", base, head], cwd=repo, text=True,
-                            stdout=subprocess.PIPE, check=True).stdout
+    status = subprocess.run(["git", "diff", "--name-status", "--no-renames", base, head],
+                            cwd=repo,
+                            text=True,
+                            stdout=subprocess.PIPE,
+                            check=True).stdout
     touched = [line.split("\t", 1)[1] for line in status.splitlines() if line[:1] in ("A", "M")]
     findings: list[Finding] = []
     with tempfile.TemporaryDirectory(prefix="lint-series-") as tmp:
@@ -235,8 +248,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     if not report(results):
-        print("lint failed: fix the findings above in the PR that introduces them "
-              "(git commit --fixup=<pr>, then stack.py export)", file=sys.stderr)
+        print(
+            "lint failed: fix the findings above in the PR that introduces them "
+            "(git commit --fixup=<pr>, then stack.py export)",
+            file=sys.stderr)
         return 1
     print(f"lint passed: {len(patches)} PR(s) add no yapf, flake8 or codespell findings")
     return 0

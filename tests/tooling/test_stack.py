@@ -1,0 +1,242 @@
+"""Tests of the stack tool, tools/stack.py (tooling, PR 0).
+
+Every test works in temporary folders: the module's paths (patches/, the series index, the
+materialized tree, the prefix trees) are pointed there, so the project's own ``deepspeed-src/``,
+``build/`` and ``patches/`` are never touched. The real pinned sdist is used where a tree is built
+(``stack.fetch()``: ``$DS_SERIES_SDIST``, the cache, or pip's index).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import shutil
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tools"))
+
+import stack  # noqa: E402
+
+REAL_PATCHES = ROOT / "patches"
+
+
+@pytest.fixture(scope="session")
+def sdist() -> Path:
+    """The verified pinned sdist, obtained once (a failure here names the reason)."""
+    return stack.fetch()
+
+
+@pytest.fixture
+def project(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sdist: Path) -> Path:
+    """A throwaway project root holding a copy of the real patches; the module points at it."""
+    root = tmp_path / "project"
+    shutil.copytree(REAL_PATCHES, root / "patches")
+    monkeypatch.setattr(stack, "ROOT", root)
+    monkeypatch.setattr(stack, "PATCHES_DIR", root / "patches")
+    monkeypatch.setattr(stack, "SERIES_FILE", root / "patches" / "series")
+    monkeypatch.setattr(stack, "TREE_DIR", root / "deepspeed-src")
+    monkeypatch.setattr(stack, "PREFIX_DIR", root / "build")
+    monkeypatch.setenv(stack.SDIST_ENV, str(sdist))
+    monkeypatch.setenv(stack.CACHE_ENV, str(tmp_path / "cache"))
+    return root
+
+
+def _fake_sdist(path: Path) -> Path:
+    """A well-formed sdist-shaped tarball whose contents (hence hash) are not the pinned ones."""
+    data = b"from setuptools import setup\nsetup(name='deepspeed', version='0.19.3')\n"
+    with tarfile.open(path, "w:gz") as tar:
+        info = tarfile.TarInfo(f"deepspeed-{stack.UPSTREAM_VERSION}/setup.py")
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+    return path
+
+
+def _tags(repo: Path) -> set[str]:
+    return set(stack.git(repo, "tag", "--list").split())
+
+
+# -- fetch: the pinned hash ---------------------------------------------------------------------
+
+
+def test_wrong_sdist_hash_is_refused_naming_both_hashes(tmp_path, monkeypatch, capsys):
+    fake = _fake_sdist(tmp_path / stack.SDIST_NAME)
+    actual = hashlib.sha256(fake.read_bytes()).hexdigest()
+    monkeypatch.setenv(stack.SDIST_ENV, str(fake))
+    monkeypatch.setenv(stack.CACHE_ENV, str(tmp_path / "cache"))
+
+    with pytest.raises(stack.StackError) as err:
+        stack.fetch()
+    message = str(err.value)
+    assert f"expected {stack.UPSTREAM_SHA256}" in message
+    assert f"actual   {actual}" in message
+
+    # Nothing is built from it, and the CLI reports it without a traceback.
+    with pytest.raises(stack.StackError, match="sha256 mismatch"):
+        stack.materialize(tmp_path / "tree")
+    assert not (tmp_path / "tree").exists()
+    assert stack.main(["fetch"]) == 1
+    stderr = capsys.readouterr().err
+    assert stack.UPSTREAM_SHA256 in stderr and actual in stderr and "Traceback" not in stderr
+
+
+def test_wrong_hash_in_cache_is_refused(tmp_path, monkeypatch):
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    _fake_sdist(cache / stack.SDIST_NAME)
+    monkeypatch.delenv(stack.SDIST_ENV, raising=False)
+    monkeypatch.setenv(stack.CACHE_ENV, str(cache))
+    with pytest.raises(stack.StackError, match=f"expected {stack.UPSTREAM_SHA256}"):
+        stack.fetch()
+
+
+def test_missing_local_sdist_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setenv(stack.SDIST_ENV, str(tmp_path / "nowhere.tar.gz"))
+    with pytest.raises(stack.StackError, match="does not exist"):
+        stack.fetch()
+
+
+def test_pinned_sdist_is_accepted(sdist):
+    assert stack.verify_sdist(sdist) == sdist
+
+
+# -- materialize / export: the round trip --------------------------------------------------------
+
+
+def test_export_right_after_materialize_is_byte_identical(project, tmp_path, monkeypatch):
+    # A developer's git configuration must not leak into the exported bytes.
+    hostile = tmp_path / "gitconfig"
+    hostile.write_text("[format]\n\tsignOff = true\n\theaders = X-Hostile: 1\n\tuseAutoBase = true\n"
+                       "[diff]\n\tnoprefix = true\n\talgorithm = histogram\n[core]\n\tabbrev = 7\n")
+    monkeypatch.setenv("GIT_CONFIG_GLOBAL", str(hostile))
+    monkeypatch.setenv("HOME", str(tmp_path))
+
+    tree = stack.materialize()
+    assert tree == project / "deepspeed-src"
+    series = stack.read_series()
+    assert len(stack.stack_commits(tree)) == len(series)
+    assert {stack.UPSTREAM_TAG, *(p.name for p in series)} <= _tags(tree)
+
+    for patch in (project / "patches").glob("*.patch"):
+        patch.unlink()  # export must regenerate every patch, not leave the old bytes in place
+    stack.export()
+
+    exported = {p.name: p.read_bytes() for p in (project / "patches").iterdir()}
+    original = {p.name: p.read_bytes() for p in REAL_PATCHES.iterdir()}
+    assert sorted(exported) == sorted(original)
+    for name in original:
+        assert exported[name] == original[name], f"export changed {name}"
+    assert stack.git(tree, "status", "--porcelain") == ""
+    assert stack.check() == []
+
+
+# -- check ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def tree(project: Path) -> Path:
+    return stack.materialize()
+
+
+def test_check_detects_uncommitted_edit(tree, capsys):
+    engine = tree / "deepspeed" / "runtime" / "engine.py"
+    engine.write_text(engine.read_text() + "# an edit\n")
+    problems = stack.check()
+    assert len(problems) == 1 and "uncommitted changes" in problems[0] and "engine.py" in problems[0]
+    assert stack.main(["check"]) == 1
+    assert "stack check failed" in capsys.readouterr().err
+
+
+def test_check_detects_unexported_commit(tree):
+    (tree / "new_file.py").write_text("x = 1\n")
+    stack.git(tree, "add", "new_file.py")
+    stack.git(tree, "commit", "--quiet", "--fixup", stack.read_series()[-1].name)
+    problems = stack.check()
+    assert len(problems) == 1 and "unexported commits" in problems[0], problems
+
+
+def test_check_detects_amended_pr(tree):
+    (tree / "new_file.py").write_text("x = 1\n")
+    stack.git(tree, "add", "new_file.py")
+    stack.git(tree, "commit", "--quiet", "--amend", "--no-edit")
+    problems = stack.check()
+    assert len(problems) == 1 and "differs from" in problems[0] and "stack.py export" in problems[0], problems
+
+
+def test_check_detects_patch_that_does_not_apply(project):
+    patch = stack.read_series()[0].path
+    lines = patch.read_bytes().split(b"\n")
+    hunk = next(i for i, line in enumerate(lines) if line.startswith(b"@@ "))
+    context = next(i for i in range(hunk + 1, len(lines)) if lines[i].startswith(b" "))
+    lines[context] = b" this context line is not in the pristine file"
+    patch.write_bytes(b"\n".join(lines))
+    problems = stack.check()
+    assert any("does not apply" in p for p in problems), problems
+
+
+# -- --upto K --------------------------------------------------------------------------------------
+
+
+def test_upto_k_materializes_exactly_k_prs(project):
+    """A synthetic two-PR series on the real sdist: prefix K has exactly K commits, tagged."""
+    series = project / "patches" / "series"
+    for patch in (project / "patches").glob("*.patch"):
+        patch.unlink()
+    series.write_text("# test series\nalpha placeholder\nbeta placeholder\n")
+    base = stack.materialize(project / "base", upto=0)
+    assert stack.stack_commits(base) == []
+    for name in ("alpha", "beta"):
+        (base / f"series-{name}.txt").write_text(f"{name}\n")
+        stack.git(base, "add", f"series-{name}.txt")
+        stack.git(base, "commit", "--quiet", "-m", f"Add {name}")
+    assert [p.title for p in stack.export(base)] == ["Add alpha", "Add beta"]
+    assert series.read_text() == "# test series\nalpha Add alpha\nbeta Add beta\n"
+
+    for k, names in ((1, ["alpha"]), (2, ["alpha", "beta"])):
+        tree = stack.materialize(project / f"upto-{k}", upto=k)
+        commits = stack.stack_commits(tree)
+        assert [stack.commit_subject(tree, c) for c in commits] == [f"Add {n}" for n in names]
+        assert _tags(tree) == {stack.UPSTREAM_TAG, *names}
+        assert sorted(p.name for p in tree.glob("series-*.txt")) == [f"series-{n}.txt" for n in names]
+    with pytest.raises(stack.StackError, match="between 0 and 2"):
+        stack.materialize(project / "upto-3", upto=3)
+
+
+@pytest.mark.parametrize("k", [0, 1, 3])
+def test_build_env_names_the_prefix(k):
+    env = stack.build_env(k)
+    assert env["DS_BUILD_STRING"] == f"+{stack.SERIES_TAG}.{k}"
+    assert stack.version_for(k) == f"{stack.UPSTREAM_VERSION}+{stack.SERIES_TAG}.{k}"
+
+
+def test_install_upto_1_installs_that_prefix(project, tmp_path, monkeypatch):
+    """A real `install --upto 1`, redirected into a target folder instead of the running environment."""
+    target = tmp_path / "site"
+    real_run = subprocess.run
+    pip_calls = []
+
+    def run(cmd, *args, **kwargs):
+        if cmd[1:3] == ["-m", "pip"]:
+            pip_calls.append(list(cmd))
+            if "uninstall" in cmd:
+                return subprocess.CompletedProcess(cmd, 0)
+            cmd = [*cmd, "--no-deps", "--no-build-isolation", "--target", str(target)]
+        return real_run(cmd, *args, **kwargs)
+
+    monkeypatch.setattr(stack.subprocess, "run", run)
+    assert stack.main(["install", "--upto", "1"]) == 0
+
+    assert [c for c in pip_calls if "uninstall" in c], "install must first remove the installed deepspeed"
+    [install_cmd] = [c for c in pip_calls if "install" in c]
+    assert "--editable" not in install_cmd
+    prefix = project / "build" / "deepspeed-upto-1"
+    assert len(stack.stack_commits(prefix)) == 1
+    installed = (target / "deepspeed" / "git_version_info_installed.py").read_text()
+    assert f"version='{stack.version_for(1)}'" in installed
+    for rel in ("runtime/engine.py", "runtime/config.py", "runtime/constants.py"):
+        assert (target / "deepspeed" / rel).read_bytes() == (prefix / "deepspeed" / rel).read_bytes(), rel
