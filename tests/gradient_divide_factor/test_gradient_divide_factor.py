@@ -7,7 +7,8 @@ from support import scenarios
 pytestmark = pytest.mark.pr(5)
 
 STAGE_PATHS = ["fp32-deepspeed-optimizer", "zero1-fp32", "zero2-fp32", "zero2-overlap-comm", "zero3-fp32",
-               "zero1-bf16-fp32-accumulation", "zero2-bf16", "fp16-unfused"]
+               "zero1-bf16-fp32-accumulation", "zero2-bf16", "fp16-unfused", "zero1-offload", "zero2-offload",
+               "zero3-offload", "zero3-offload-param"]
 
 
 @pytest.mark.world_size(1, 2, 4)

@@ -8,7 +8,9 @@ from .paths import PATHS
 
 
 def pr_of(path_name: str) -> int:
-    """PR 1 brings stages 0/1, PR 2 stage 2, PR 3 stage 3 (offload configurations carry their own)."""
+    """PR 1 brings stages 0/1, PR 2 stage 2, PR 3 stage 3, PR 4 offload."""
+    if "offload" in path_name:
+        return 4
     return {0: 1, 1: 1, 2: 2, 3: 3}[PATHS[path_name].stage]
 
 

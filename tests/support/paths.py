@@ -346,3 +346,7 @@ PATHS: dict[str, Path] = {**ZERO_0_1_PATHS, **ZERO_2_PATHS, **ZERO_3_PATHS, **MI
 
 #: Dynamic loss-scale fp16 paths, for the overflow-inside-an-accumulation tests.
 FP16_DYNAMIC = ["fp16-fused", "fp16-unfused", "zero1-fp16", "zero2-fp16", "zero3-fp16"]
+
+# The offload configurations (PR 4) live in their own module, built from the helpers above; importing
+# it adds them to PATHS.
+from . import offload_paths  # noqa: E402,F401
