@@ -53,7 +53,7 @@ def direct_calls_body():
 
 def trial_body(mode: str):
     from benchmarks.model import TINY
-    from benchmarks.trial import run_trial
+    from benchmarks.trial import run_trial_safely
 
     spec = {
         "device": "cpu",
@@ -69,7 +69,7 @@ def trial_body(mode: str):
         "measure_steps": 2,
         "threads": 1,
     }
-    return run_trial(spec)
+    return run_trial_safely(spec)
 
 
 def comms_logger_body(stage: int):
@@ -80,7 +80,11 @@ def comms_logger_body(stage: int):
     from benchmarks.model import TINY, build_model, micro_batches
 
     configuration = next(c for c in configs.CONFIGURATIONS if c.stage == stage and c.offload == "none")
-    config = configs.ds_config(configuration, configs.MANAGED, 2, TINY.micro_batch, dist.get_world_size(),
+    config = configs.ds_config(configuration,
+                               configs.MANAGED,
+                               2,
+                               TINY.micro_batch,
+                               dist.get_world_size(),
                                bucket_elements=1000)
     config["comms_logger"] = {"enabled": True, "prof_all": True, "verbose": False}
     model = build_model(TINY)
@@ -109,12 +113,30 @@ def test_direct_calls_are_counted_exactly(dist):
         w = result["world"]
         assert w == dist.world_size
         assert result["counted"] == {
-            "all_reduce": {"calls": 2, "bytes": 10 * 4 + 6 * 8},
-            "broadcast": {"calls": 1, "bytes": 3 * 8},
-            "all_gather_into_tensor": {"calls": 1, "bytes": 4 * w * 4},  # the gathered output
-            "reduce_scatter_tensor": {"calls": 1, "bytes": 2 * w * 4},  # the full input
-            "all_to_all_single": {"calls": 1, "bytes": 2 * w * 4},
-            "barrier": {"calls": 1, "bytes": 0},
+            "all_reduce": {
+                "calls": 2,
+                "bytes": 10 * 4 + 6 * 8
+            },
+            "broadcast": {
+                "calls": 1,
+                "bytes": 3 * 8
+            },
+            "all_gather_into_tensor": {
+                "calls": 1,
+                "bytes": 4 * w * 4
+            },  # the gathered output
+            "reduce_scatter_tensor": {
+                "calls": 1,
+                "bytes": 2 * w * 4
+            },  # the full input
+            "all_to_all_single": {
+                "calls": 1,
+                "bytes": 2 * w * 4
+            },
+            "barrier": {
+                "calls": 1,
+                "bytes": 0
+            },
         }
         assert result["after"] == result["counted"], "a collective after uninstall() was counted"
         assert result["restored"]

@@ -1,0 +1,156 @@
+"""Command line: ``python -m benchmarks run`` measures; ``python -m benchmarks render`` rewrites the table.
+
+    python -m benchmarks run            # the full run: writes docs/benchmarks.md and docs/benchmarks.json
+    python -m benchmarks run --quick    # a smoke run on a tiny model (writes under scratch/ by default)
+    python -m benchmarks render         # re-render docs/benchmarks.md from docs/benchmarks.json
+    python -m benchmarks list           # the configurations
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shlex
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS_MD = ROOT / "docs" / "benchmarks.md"
+DOCS_JSON = ROOT / "docs" / "benchmarks.json"
+QUICK_MD = ROOT / "scratch" / "benchmarks-quick.md"
+QUICK_JSON = ROOT / "scratch" / "benchmarks-quick.json"
+
+
+def _log(message: str) -> None:
+    print(f"{time.strftime('%H:%M:%S')} {message}", flush=True)
+
+
+def _csv(text: str):
+    return [item.strip() for item in text.split(",") if item.strip()]
+
+
+def _devices(choice: str):
+    if choice != "auto":
+        return [choice]
+    import torch
+    return ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
+
+
+def cmd_run(args) -> int:
+    os.environ.setdefault("DS_BUILD_OPS", "0")
+    import torch
+    from benchmarks import configs, machine, report
+    from benchmarks.model import FULL, TINY
+    from benchmarks.run import Plan, measure_device
+
+    names = _csv(args.configs) if args.configs else [c.name for c in configs.CONFIGURATIONS]
+    unknown = [n for n in names if n not in configs.BY_NAME]
+    if unknown:
+        print(f"unknown configuration(s): {', '.join(unknown)}; see `python -m benchmarks list`", file=sys.stderr)
+        return 2
+    out_md = Path(args.out) if args.out else (QUICK_MD if args.quick else DOCS_MD)
+    out_json = Path(args.json) if args.json else out_md.with_suffix(".json")
+    info = machine.describe()
+    print(f"torch {torch.__version__}; {report._series_line(info['deepspeed'])}", flush=True)
+
+    command = "python -m benchmarks " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    data = {
+        "schema": 1,
+        "command": command.strip(),
+        "quick": args.quick,
+        "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "machine": info,
+        "devices": [],
+    }
+    for device in _devices(args.device):
+        world = args.world_size
+        if device == "cuda":
+            world = min(world, torch.cuda.device_count())
+        plan = Plan(device=device,
+                    world_size=world,
+                    configurations=[configs.BY_NAME[n] for n in names],
+                    micro_counts=[int(n) for n in _csv(args.micro)],
+                    rounds=args.rounds or (2 if args.quick else 3),
+                    size=TINY if args.quick else FULL,
+                    dtype=args.dtype or ("bf16" if device == "cuda" else "fp32"),
+                    threads=args.threads,
+                    scratch=ROOT / "scratch" / "benchmarks",
+                    force=bool(args.configs))
+        if args.quick:
+            plan.warmup_steps = 1
+            plan.measure_steps = {n: 2 for n in plan.micro_counts}
+            plan.timing_steps = {n: 4 for n in plan.micro_counts}
+        data["devices"].append(measure_device(plan, log=_log))
+        data["finished"] = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+        _write(data, out_md, out_json)  # after each device, so a later failure keeps what was measured
+    _log(f"wrote {out_md} and {out_json}")
+    return 0
+
+
+def _write(data: dict, out_md: Path, out_json: Path) -> None:
+    from benchmarks import report
+    report.analyze(data)
+    out_json.parent.mkdir(parents=True, exist_ok=True)
+    out_json.write_text(json.dumps(data, indent=1, sort_keys=False) + "\n")
+    out_md.write_text(report.render(data))
+
+
+def cmd_render(args) -> int:
+    from benchmarks import report
+    source = Path(args.json)
+    data = json.loads(source.read_text())
+    Path(args.out).write_text(report.render(report.analyze(data)))
+    print(f"wrote {args.out}")
+    return 0
+
+
+def cmd_list(args) -> int:
+    from benchmarks import configs
+    for c in configs.CONFIGURATIONS:
+        print(f"{c.name:20} ZeRO {c.stage}  offload: {c.offload}")
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks", description="The cost of owning the boundary.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="measure (a) managed, (b) unmanaged, (c) toggle for every configuration")
+    run.add_argument("--quick", action="store_true", help="tiny model, 2 rounds: a smoke run (writes under scratch/)")
+    run.add_argument("--configs", default="", help="comma-separated configurations (default: all; see `list`)")
+    run.add_argument("--micro", default="1,4,16", help="micro-batches per logical step (default: 1,4,16)")
+    run.add_argument("--rounds",
+                     type=int,
+                     default=0,
+                     help="mode trials per mode, configuration and N (default: 3; quick: 2)")
+    run.add_argument("--device",
+                     choices=["auto", "cpu", "cuda"],
+                     default="auto",
+                     help="auto: CPU ranks, and GPU ranks too when CUDA is present")
+    run.add_argument("--world-size", type=int, default=2, help="ranks (default 2; on GPUs at most the GPU count)")
+    run.add_argument("--dtype",
+                     choices=["fp32", "bf16", "fp16"],
+                     default=None,
+                     help="default: fp32 on CPU, bf16 on GPU")
+    run.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
+    run.add_argument("--out", default=None, help="Markdown output (default docs/benchmarks.md; quick: scratch/)")
+    run.add_argument("--json", default=None, help="JSON output (default: beside the Markdown)")
+    run.set_defaults(func=cmd_run)
+
+    render = sub.add_parser("render", help="rewrite the Markdown table from the JSON")
+    render.add_argument("--json", default=str(DOCS_JSON))
+    render.add_argument("--out", default=str(DOCS_MD))
+    render.set_defaults(func=cmd_render)
+
+    listing = sub.add_parser("list", help="list the configurations")
+    listing.set_defaults(func=cmd_list)
+
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,488 @@
+"""Turn measured trials into comparisons against the targets, and render them as Markdown.
+
+Targets for unmanaged mode (b) against managed mode (a), per configuration and N:
+
+* the same collectives and bytes per logical step, op by op and step by step;
+* the same peak memory, within 1 %;
+* a wall-time ratio b/a, measured pair by pair on neighbouring steps, whose median is at most 1.02.
+
+The toggle workaround (c) is compared with (a) the same way, for reference; it has no targets. The
+control (a′, a second managed engine in the timing trial) gives the ratio that noise alone produces.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Dict, List, Optional
+
+from benchmarks import configs
+from benchmarks.trial import CONTROL
+
+MEMORY_TOLERANCE = 0.01
+TIME_RATIO_TARGET = 1.02
+LOSS_TOLERANCE = 1e-5
+MIB = 2**20
+
+
+def _median(values) -> Optional[float]:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def _spread(values: List[float]) -> Optional[float]:
+    """(max - min) / median: how much one mode's own measurement moves from round to round."""
+    values = [v for v in values if v is not None]
+    if len(values) < 2:
+        return None
+    return (max(values) - min(values)) / statistics.median(values)
+
+
+def _quartiles(values: List[float]) -> Optional[List[float]]:
+    if not values:
+        return None
+    if len(values) == 1:
+        return [values[0]] * 3
+    return statistics.quantiles(values, n=4, method="inclusive")
+
+
+def summarize_mode(entry: dict) -> Optional[dict]:
+    """One mode's rounds of mode trials: counts, memory, and the correctness checks."""
+    rounds = entry.get("rounds") or []
+    if not rounds:
+        return None
+    first = rounds[0]["counts_per_step"]
+    consistent = all(r["counts_per_step"] == first and r["counts_same_every_step"] and r["counts_same_every_rank"]
+                     for r in rounds)
+    return {
+        "rounds": len(rounds),
+        "counts_per_step": first,
+        "calls_per_step": sum(v["calls"] for v in first.values()),
+        "bytes_per_step": sum(v["bytes"] for v in first.values()),
+        "counts_consistent": consistent,
+        "peak_rss_bytes": _median(r["peak_rss_bytes"] for r in rounds),
+        "peak_rss_spread": _spread([r["peak_rss_bytes"] for r in rounds]),
+        "engine_peak_rss_bytes": _median(r.get("engine_peak_rss_bytes") for r in rounds),
+        "peak_gpu_allocated_bytes": _median(r["peak_gpu_allocated_bytes"] for r in rounds),
+        "peak_gpu_spread": _spread([r["peak_gpu_allocated_bytes"] for r in rounds]),
+        "isolated_median_step_s": _median(r["median_step_s"] for r in rounds),
+        "one_update_per_step": all(r["global_steps"] == r["expected_global_steps"] for r in rounds),
+        "global_steps": rounds[0]["global_steps"],
+        "expected_global_steps": rounds[0]["expected_global_steps"],
+    }
+
+
+def summarize_timing(timing: dict, mode: str) -> Optional[dict]:
+    """``mode`` against managed in the timing trial: per-step ratios of wall and CPU time."""
+    if not timing or timing.get("status") != "ok" or mode not in timing["times_s"]:
+        return None
+    wall, cpu = timing["times_s"], timing["cpu_times_s"]
+    ratios = [x / y for x, y in zip(wall[mode], wall[configs.MANAGED])]
+    cpu_ratios = [x / y for x, y in zip(cpu[mode], cpu[configs.MANAGED]) if y > 0]
+    losses, base_losses = timing["losses"][mode], timing["losses"][configs.MANAGED]
+    return {
+        "median_step_s": statistics.median(wall[mode]),
+        "median_step_cpu_s": statistics.median(cpu[mode]),
+        "ratio": statistics.median(ratios),
+        "ratio_quartiles": _quartiles(ratios),
+        "cpu_ratio": _median(cpu_ratios),
+        "cpu_ratio_quartiles": _quartiles(cpu_ratios),
+        "pairs": len(ratios),
+        "max_loss_difference": max(abs(x - y) for ra, rb in zip(base_losses, losses) for x, y in zip(ra, rb)),
+        "one_update_per_step": timing["global_steps"][mode] == timing["expected_global_steps"],
+    }
+
+
+def count_differences(base: Dict[str, dict], other: Dict[str, dict]) -> List[str]:
+    out = []
+    for op in sorted(set(base) | set(other)):
+        a = base.get(op, {"calls": 0, "bytes": 0})
+        b = other.get(op, {"calls": 0, "bytes": 0})
+        if a != b:
+            out.append(f"{op}: {_num(b['calls'])} calls / {_bytes(b['bytes'])} vs "
+                       f"{_num(a['calls'])} calls / {_bytes(a['bytes'])}")
+    return out
+
+
+def compare(cell: dict, mode: str) -> Optional[dict]:
+    """``mode`` against managed for one cell, with the targets' verdicts and the reasons for a miss."""
+    base_entry, entry = cell["modes"][configs.MANAGED], cell["modes"][mode]
+    base, this = summarize_mode(base_entry), summarize_mode(entry)
+    if base is None or this is None:
+        return None
+    by_round = {r["round"]: r for r in base_entry["rounds"]}
+    paired = [(r, by_round[r["round"]]) for r in entry["rounds"] if r["round"] in by_round]
+    differences = count_differences(base["counts_per_step"], this["counts_per_step"])
+    # Exactly the same collectives: step by step in every round, on every rank.
+    same_steps = bool(paired) and all(
+        r["counts_by_step"] == b["counts_by_step"] and r["counts_same_every_rank"] and b["counts_same_every_rank"]
+        for r, b in paired)
+    loss_diff = max(abs(x - y) for r, b in paired for ra, rb in zip(b["losses"], r["losses"]) for x, y in zip(ra, rb))
+    gpu = base["peak_gpu_allocated_bytes"] is not None
+    memory_key = "peak_gpu_allocated_bytes" if gpu else "peak_rss_bytes"
+    memory_ratio = this[memory_key] / base[memory_key] if base[memory_key] else None
+    engine_ratio = None
+    if not gpu and base.get("engine_peak_rss_bytes"):
+        engine_ratio = this["engine_peak_rss_bytes"] / base["engine_peak_rss_bytes"]
+    timing = summarize_timing(cell.get("timing"), mode)
+    control = summarize_timing(cell.get("timing"), CONTROL)
+    result = {
+        "same_collectives": not differences and same_steps,
+        "count_differences": differences,
+        "memory_key": memory_key,
+        "memory_ratio": memory_ratio,
+        "memory_delta_bytes": this[memory_key] - base[memory_key],
+        "memory_noise": base["peak_gpu_spread" if gpu else "peak_rss_spread"],
+        "engine_memory_ratio": engine_ratio,
+        "time_ratio": timing["ratio"] if timing else None,
+        "time_ratio_quartiles": timing["ratio_quartiles"] if timing else None,
+        "cpu_time_ratio": timing["cpu_ratio"] if timing else None,
+        "control_ratio": control["ratio"] if control else None,
+        "control_ratio_quartiles": control["ratio_quartiles"] if control else None,
+        "timing": timing,
+        "max_loss_difference": max(loss_diff, timing["max_loss_difference"] if timing else 0.0),
+        "one_update_per_step": this["one_update_per_step"] and (timing is None or timing["one_update_per_step"]),
+    }
+    result["same_losses"] = result["max_loss_difference"] <= LOSS_TOLERANCE
+    result["targets"] = {
+        "collectives": result["same_collectives"],
+        "memory": memory_ratio is not None and abs(memory_ratio - 1) <= MEMORY_TOLERANCE,
+        "time": result["time_ratio"] is not None and result["time_ratio"] <= TIME_RATIO_TARGET,
+    }
+    result["reasons"] = _reasons(result, this)
+    return result
+
+
+def _reasons(result: dict, this: dict) -> List[str]:
+    reasons = []
+    if not result["targets"]["collectives"]:
+        if result["count_differences"]:
+            reasons.append("collectives per step differ: " + "; ".join(result["count_differences"]))
+        else:
+            reasons.append("the same collectives per step on average, but not step by step or rank by rank "
+                           "(see counts_by_step in the JSON)")
+    if not result["targets"]["memory"] and result["memory_ratio"] is not None:
+        percent = (result["memory_ratio"] - 1) * 100
+        text = f"peak memory {_signed_mib(result['memory_delta_bytes'])} ({percent:+.1f} %)"
+        own = result["memory_noise"]
+        if own is not None:
+            noise = "within" if abs(result["memory_ratio"] - 1) <= own else "outside"
+            text += f"; managed's own peak moves {own * 100:.1f} % between rounds, so this is {noise} that noise"
+        if result["engine_memory_ratio"] is not None:
+            text += f"; counted from the RSS before the model existed the ratio is {result['engine_memory_ratio']:.3f}"
+        reasons.append(text)
+    if not result["targets"]["time"] and result["time_ratio"] is not None:
+        q1, _, q3 = result["time_ratio_quartiles"]
+        text = f"median time ratio {result['time_ratio']:.3f} (quartiles {q1:.2f}–{q3:.2f})"
+        if result["control_ratio"] is not None:
+            c1, _, c3 = result["control_ratio_quartiles"]
+            noise = "within" if c1 <= result["time_ratio"] <= c3 else "outside"
+            text += (f"; two identical managed engines differ by {result['control_ratio']:.3f} "
+                     f"(quartiles {c1:.2f}–{c3:.2f}), so this is {noise} the noise")
+        if result["cpu_time_ratio"] is not None:
+            text += f"; CPU-time ratio {result['cpu_time_ratio']:.3f}"
+            if result["cpu_time_ratio"] <= TIME_RATIO_TARGET:
+                text += " (the ranks computed no more: the extra wall time was spent waiting)"
+        reasons.append(text)
+    if result["targets"]["time"] is False and result["time_ratio"] is None:
+        reasons.append("no timing (the timing trial did not run; see the JSON)")
+    if not result["same_losses"]:
+        reasons.append(f"losses differ from managed by up to {result['max_loss_difference']:.2e}")
+    if not result["one_update_per_step"]:
+        reasons.append(f"{this['global_steps']} optimizer updates for {this['expected_global_steps']} logical steps")
+    return reasons
+
+
+def analyze(data: dict) -> dict:
+    """Add ``summary`` to each mode and ``comparisons`` to each cell (in place); return ``data``."""
+    for section in data["devices"]:
+        for cell in section["results"]:
+            for mode, entry in cell["modes"].items():
+                entry["summary"] = summarize_mode(entry)
+                timing = summarize_timing(cell.get("timing"), mode)
+                if entry["summary"] and timing:
+                    entry["summary"]["median_step_s"] = timing["median_step_s"]
+                    entry["summary"]["median_step_cpu_s"] = timing["median_step_cpu_s"]
+            cell["comparisons"] = {mode: compare(cell, mode) for mode in (configs.UNMANAGED, configs.TOGGLE)}
+    return data
+
+
+# -- Markdown -------------------------------------------------------------------------------------------------
+def _num(value) -> str:
+    if value is None:
+        return "–"
+    if float(value).is_integer():
+        return f"{int(value):,}"
+    return f"{value:,.2f}"
+
+
+def _bytes(value) -> str:
+    if value is None:
+        return "–"
+    if value < 1024:
+        return f"{_num(value)} B"
+    if value < MIB:
+        return f"{value / 1024:.1f} KiB"
+    return f"{value / MIB:.2f} MiB"
+
+
+def _plural(count: int, noun: str) -> str:
+    return f"{count} {noun}" + ("" if count == 1 else "s")
+
+
+def _signed_mib(value) -> str:
+    return f"{value / MIB:+.1f} MiB"
+
+
+def _plain_ratio(comparison: Optional[dict], entry: dict, key: str) -> str:
+    if _mode_state(entry) or comparison is None or comparison.get(key) is None:
+        return "–"
+    return f"{comparison[key]:.3f}"
+
+
+def _mode_state(entry: dict) -> Optional[str]:
+    status = entry["status"]
+    if status == "ok":
+        return None
+    if status == "unsupported":
+        return "not supported by the installed stack"
+    if status == "unavailable":
+        return "unavailable here"
+    if status == "error":
+        return "error"
+    return status
+
+
+def _check(flag: bool) -> str:
+    return "✅" if flag else "❌"
+
+
+def _verdict(comparison: Optional[dict], entry: dict) -> str:
+    state = _mode_state(entry)
+    if state:
+        return state
+    if comparison is None:
+        return "–"
+    t = comparison["targets"]
+    return f"{_check(t['collectives'])} comm {_check(t['memory'])} mem {_check(t['time'])} time"
+
+
+def _ratio(comparison: Optional[dict], entry: Optional[dict], key: str) -> str:
+    if (entry is not None and _mode_state(entry)) or comparison is None or comparison[key] is None:
+        return "–"
+    low, _, high = comparison[f"{key}_quartiles"]
+    return f"{comparison[key]:.3f} ({low:.2f}–{high:.2f})"
+
+
+def _step_ms(summary: Optional[dict]) -> str:
+    if not summary:
+        return "–"
+    if "median_step_s" in summary:
+        return f"{summary['median_step_s'] * 1e3:.1f} ms"
+    return f"({summary['isolated_median_step_s'] * 1e3:.1f} ms)"
+
+
+def _memory_vs(comparison: Optional[dict], entry: dict) -> str:
+    if _mode_state(entry) or comparison is None or comparison["memory_ratio"] is None:
+        return "–"
+    return f"{(comparison['memory_ratio'] - 1) * 100:+.2f} % ({_signed_mib(comparison['memory_delta_bytes'])})"
+
+
+def _series_line(ds: dict) -> str:
+    commits = ds.get("commits")
+    if commits is None:
+        text = f"DeepSpeed {ds['version']}"
+    elif not commits:
+        text = f"DeepSpeed {ds['version']}: pristine 0.19.3, no PR of the series committed"
+    else:
+        text = f"DeepSpeed {ds['version']}: 0.19.3 + " + "; ".join(f"PR {i}: {s}" for i, s in enumerate(commits, 1))
+    if ds.get("uncommitted_changes"):
+        text += " (the DeepSpeed tree had uncommitted changes)"
+    return text
+
+
+def render(data: dict) -> str:
+    machine = data["machine"]
+    lines = [
+        "# Benchmarks: the cost of owning the boundary",
+        "",
+        "What does `\"managed_gradient_accumulation\": false` cost? The same model and data are trained three "
+        "ways for N micro-batches per logical step:",
+        "",
+        "- **(a) managed**: `gradient_accumulation_steps = N`; forward, backward and `step()` on every micro-batch.",
+        "- **(b) unmanaged**: the same config with `\"managed_gradient_accumulation\": false`; N backwards, then "
+        "one `step()`.",
+        "- **(c) toggle**: managed, driven by `set_gradient_accumulation_boundary(i == N - 1)` before each "
+        "micro-batch and `step()` after each backward (today's workaround).",
+        "",
+        "All three call `backward(loss / N, scale_wrt_gas=False)`. Targets for (b) against (a): the same "
+        "collectives and bytes per logical step, the same peak memory (within 1 %), and a median time ratio "
+        f"b/a of at most {TIME_RATIO_TARGET}.",
+        "",
+        f"Generated by `{data['command']}` ({data['finished']}); regenerate the text from "
+        "`docs/benchmarks.json` with `python -m benchmarks render`. Do not edit by hand.",
+        "",
+        "## Machine and software",
+        "",
+        f"- Machine: {machine['cpu']}, {machine['cpu_count']} cores, {machine['memory_gib']} GiB; {machine['os']}" +
+        (f"; GPUs: {', '.join(machine['cuda_devices'])}" if machine.get("cuda_devices") else "; no GPU"),
+        f"- Python {machine['python']}, torch {machine['torch']}",
+        f"- {_series_line(machine['deepspeed'])}",
+    ]
+    if data.get("quick"):
+        lines.append("- **Quick mode** (`--quick`): a tiny model and few rounds; a smoke test, not a measurement.")
+    lines.append("")
+    for section in data["devices"]:
+        lines += _render_section(section, data)
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def _render_section(section: dict, data: dict) -> List[str]:
+    s = section["settings"]
+    model = s["model"]
+    params = next((r["modes"][configs.MANAGED]["rounds"][0]["parameters"]
+                   for r in section["results"] if r["modes"][configs.MANAGED].get("rounds")), None)
+    gpu = section["device"] == "cuda"
+    memory_key = "peak_gpu_allocated_bytes" if gpu else "peak_rss_bytes"
+    memory_label = "peak allocated GPU memory" if gpu else "peak RSS"
+    lines = [
+        f"## {section['device'].upper()}: {s['world_size']} ranks, {s['backend']}",
+        "",
+        f"- Model: a {model['n_layers']}-layer GPT (d_model {model['d_model']}, {model['n_heads']} heads, "
+        f"vocabulary {model['vocab']}), {_num(params)} parameters, {s['dtype']}; micro-batch "
+        f"{model['micro_batch']} × {model['seq_len']} tokens; Adam (CPU Adam where the optimizer is offloaded); "
+        f"`gradient_clipping` 1.0; ZeRO bucket sizes {_num(s['bucket_elements'])} elements.",
+        f"- Counts and memory: {_plural(s['rounds'], 'round')} of one trial per mode (a fresh process per rank "
+        "and trial; a, b, c, then c, b, a), each " + _plural(s['warmup_steps'], 'warm-up step') + " then " +
+        ", ".join(f"{v} for N = {k}" for k, v in s["measure_steps"].items()) + " measured logical steps. "
+        "Time: one trial per configuration and N holding an engine per mode plus a second managed engine a′ "
+        "(the control), stepped in rotating order; " + ", ".join(f"{v} for N = {k}"
+                                                                 for k, v in s["timing_steps"].items()) +
+        " measured steps per engine. " + f"{_plural(s['threads_per_rank'], 'torch thread')} per rank.",
+        "- *Collectives* and *bytes* are per logical step (bytes: the full buffer of each collective on one rank; "
+        "`=`: exactly as (a)). *Time a* is the median step time of the slowest rank. *b/a*, *c/a* and *a′/a* are "
+        "medians of the ratios of neighbouring steps, with their quartiles; a′/a is what noise alone produces "
+        "on this machine. *CPU b/a* is the same ratio for the CPU time the busiest rank used (insensitive to "
+        f"waiting for a core). *Memory* is the {memory_label} during the measured steps, the largest over ranks, "
+        "median over rounds; b and c are shown against a.",
+        "",
+        "| Configuration | Offload | N | Collectives a · b · c | Bytes a · b · c | Time a | b/a | c/a | a′/a "
+        "| CPU b/a | Memory a | b vs a | c vs a | Targets (b) |",
+        "|---|---|--:|---|---|--:|---|---|---|--:|--:|--:|--:|---|",
+    ]
+    misses, notes, errors, details, not_run = [], [], [], [], {}
+    varying = False
+    for cell in section["results"]:
+        modes = cell["modes"]
+        summaries = {m: modes[m].get("summary") for m in configs.MODES}
+        comps = cell.get("comparisons") or {}
+        a = summaries[configs.MANAGED]
+        label = f"{cell['configuration']}, N = {cell['n_micro']}"
+        if modes[configs.MANAGED]["status"] == "unavailable":
+            not_run[cell["configuration"]] = modes[configs.MANAGED].get("reason")
+            continue
+
+        def per_mode(key, fmt):
+            nonlocal varying
+            values = []
+            for m in configs.MODES:
+                summary = summaries[m]
+                if _mode_state(modes[m]) or summary is None:
+                    values.append("–")
+                    continue
+                mark = ""
+                if not summary["counts_consistent"]:
+                    mark, varying = "†", True
+                if m != configs.MANAGED and a is not None and summary[key] == a[key]:
+                    values.append("=" + mark)
+                else:
+                    values.append(fmt(summary[key]) + mark)
+            return " · ".join(values)
+
+        managed_state = _mode_state(modes[configs.MANAGED])
+        row = [
+            cell["configuration"],
+            cell["offload"],
+            str(cell["n_micro"]),
+            per_mode("calls_per_step", _num),
+            per_mode("bytes_per_step", _bytes),
+            managed_state or _step_ms(a),
+            _ratio(comps.get(configs.UNMANAGED), modes[configs.UNMANAGED], "time_ratio"),
+            _ratio(comps.get(configs.TOGGLE), modes[configs.TOGGLE], "time_ratio"),
+            _ratio(comps.get(configs.UNMANAGED) or comps.get(configs.TOGGLE), None, "control_ratio"),
+            _plain_ratio(comps.get(configs.UNMANAGED), modes[configs.UNMANAGED], "cpu_time_ratio"),
+            f"{a[memory_key] / MIB:.1f} MiB" if a and a[memory_key] else "–",
+            _memory_vs(comps.get(configs.UNMANAGED), modes[configs.UNMANAGED]),
+            _memory_vs(comps.get(configs.TOGGLE), modes[configs.TOGGLE]),
+            _verdict(comps.get(configs.UNMANAGED), modes[configs.UNMANAGED]),
+        ]
+        lines.append("| " + " | ".join(row) + " |")
+        for mode in configs.MODES:
+            if modes[mode]["status"] == "error":
+                errors.append(f"- {label}, ({configs.MODE_LETTER[mode]}) {mode}: {modes[mode].get('error')}")
+        unmanaged = comps.get(configs.UNMANAGED)
+        if unmanaged and unmanaged["reasons"]:
+            misses.append(f"- {label}: " + "; ".join(unmanaged["reasons"]))
+        toggle = comps.get(configs.TOGGLE)
+        if toggle and not (toggle["same_losses"] and toggle["one_update_per_step"] and toggle["same_collectives"]):
+            notes.append(f"- {label}, (c) toggle: " +
+                         "; ".join(r for r in toggle["reasons"] if not r.startswith(("median time", "peak memory"))))
+        if a:
+            details += _detail_rows(cell, summaries)
+    lines.append("")
+    if varying:
+        lines += [
+            "† The counts changed between measured steps, rounds or ranks; the figure is the mean per step "
+            "(each step's counts are in the JSON).", ""
+        ]
+    unsupported = sorted({(cell["configuration"], cell["modes"][configs.UNMANAGED].get("reason"))
+                          for cell in section["results"]
+                          if cell["modes"][configs.UNMANAGED]["status"] == "unsupported"})
+    if unsupported:
+        lines += ["### Not supported by the installed stack", ""]
+        lines += [f"- {name}: {reason}" for name, reason in unsupported]
+        lines.append("")
+    if not_run:
+        lines += ["### Not run on this machine", ""]
+        lines += [f"- {name}: {reason}" for name, reason in not_run.items()]
+        lines.append("")
+    lines += ["### Missed targets and why", ""]
+    lines += misses or ["- None: every configuration that ran in unmanaged mode met every target."]
+    lines.append("")
+    if notes:
+        lines += ["### The toggle workaround (c) differs from managed mode", ""] + notes + [""]
+    if errors:
+        lines += ["### Errors", ""] + errors + [""]
+    lines += [
+        "### Collectives by type, per logical step",
+        "",
+        "Calls · bytes of (a); for (b) and (c), `=` means exactly the same calls and bytes as (a).",
+        "",
+        "| Configuration | N | Collective | Calls (a) | Bytes (a) | (b) | (c) |",
+        "|---|--:|---|--:|--:|---|---|",
+    ]
+    lines += details
+    lines.append("")
+    return lines
+
+
+def _detail_rows(cell: dict, summaries: dict) -> List[str]:
+    base = summaries[configs.MANAGED]["counts_per_step"]
+    ops = list(base)
+    for mode in (configs.UNMANAGED, configs.TOGGLE):
+        if summaries[mode]:
+            ops += [op for op in summaries[mode]["counts_per_step"] if op not in ops]
+    rows = []
+    zero = {"calls": 0, "bytes": 0}
+    for op in ops:
+        entry = base.get(op, zero)
+        cells = []
+        for mode in (configs.UNMANAGED, configs.TOGGLE):
+            summary = summaries[mode]
+            if summary is None:
+                cells.append("–")
+                continue
+            other = summary["counts_per_step"].get(op, zero)
+            cells.append("=" if other == entry else f"{_num(other['calls'])} · {_bytes(other['bytes'])}")
+        rows.append(f"| {cell['configuration']} | {cell['n_micro']} | `{op}` | {_num(entry['calls'])} | "
+                    f"{_bytes(entry['bytes'])} | {cells[0]} | {cells[1]} |")
+    return rows
