@@ -110,7 +110,8 @@ def cmd_render(args) -> int:
 def cmd_list(args) -> int:
     from benchmarks import configs
     for c in configs.CONFIGURATIONS:
-        print(f"{c.name:20} ZeRO {c.stage}  offload: {c.offload}")
+        skipped = f"  (not run by default on: {', '.join(sorted(c.skip_on))})" if c.skip_on else ""
+        print(f"{c.name:20} ZeRO {c.stage}  offload: {c.offload}{skipped}")
     return 0
 
 

@@ -143,6 +143,9 @@ def compare(cell: dict, mode: str) -> Optional[dict]:
         "one_update_per_step": this["one_update_per_step"] and (timing is None or timing["one_update_per_step"]),
     }
     result["same_losses"] = result["max_loss_difference"] <= LOSS_TOLERANCE
+    quartiles = result["control_ratio_quartiles"]
+    result["time_within_noise"] = (None if quartiles is None or result["time_ratio"] is None else
+                                   quartiles[0] <= result["time_ratio"] <= quartiles[2])
     result["targets"] = {
         "collectives": result["same_collectives"],
         "memory": memory_ratio is not None and abs(memory_ratio - 1) <= MEMORY_TOLERANCE,
@@ -175,7 +178,7 @@ def _reasons(result: dict, this: dict) -> List[str]:
         text = f"median time ratio {result['time_ratio']:.3f} (quartiles {q1:.2f}–{q3:.2f})"
         if result["control_ratio"] is not None:
             c1, _, c3 = result["control_ratio_quartiles"]
-            noise = "within" if c1 <= result["time_ratio"] <= c3 else "outside"
+            noise = "within" if result["time_within_noise"] else "outside"
             text += (f"; two identical managed engines differ by {result['control_ratio']:.3f} "
                      f"(quartiles {c1:.2f}–{c3:.2f}), so this is {noise} the noise")
         if result["cpu_time_ratio"] is not None:
@@ -330,10 +333,61 @@ def render(data: dict) -> str:
     ]
     if data.get("quick"):
         lines.append("- **Quick mode** (`--quick`): a tiny model and few rounds; a smoke test, not a measurement.")
+    lines += ["", "## Summary", ""]
+    for section in data["devices"]:
+        lines += _summary(section)
     lines.append("")
     for section in data["devices"]:
         lines += _render_section(section, data)
     return "\n".join(lines).rstrip() + "\n"
+
+
+def _summary(section: dict) -> List[str]:
+    cells = section["results"]
+    ran = [c for c in cells if (c.get("comparisons") or {}).get(configs.UNMANAGED)]
+    refused = sum(c["modes"][configs.UNMANAGED]["status"] == "unsupported" for c in cells)
+    not_run = sum(c["modes"][configs.MANAGED]["status"] == "unavailable" for c in cells)
+    failed = sum(c["modes"][configs.UNMANAGED]["status"] == "error" for c in cells)
+    s = section["settings"]
+    head = (f"- **{section['device'].upper()}, {s['world_size']} ranks**: unmanaged mode (b) ran in {len(ran)} of "
+            f"{len(cells)} cells (configuration × N)")
+    others = [
+        f"{n} {what}" for n, what in ((refused, "not supported by the installed stack"),
+                                      (not_run, "not run on this machine"), (failed, "failed")) if n
+    ]
+    lines = [head + (f"; {', '.join(others)}." if others else ".")]
+    if not ran:
+        return lines
+    comps = [c["comparisons"][configs.UNMANAGED] for c in ran]
+    n = len(comps)
+    memory = [x["memory_ratio"] for x in comps if x["memory_ratio"] is not None]
+    worst = max(memory, key=lambda r: abs(r - 1)) if memory else None
+    ratios = [x["time_ratio"] for x in comps if x["time_ratio"] is not None]
+    controls = [x["control_ratio"] for x in comps if x["control_ratio"] is not None]
+    time_misses = [x for x in comps if not x["targets"]["time"]]
+    noisy = sum(bool(x["time_within_noise"]) for x in time_misses)
+    lines += [
+        f"  - Collectives and bytes per logical step exactly as managed (a): "
+        f"{sum(x['targets']['collectives'] for x in comps)} of {n}.",
+        f"  - Peak memory within 1 % of managed: {sum(x['targets']['memory'] for x in comps)} of {n}" +
+        (f" (largest difference {(worst - 1) * 100:+.2f} %)." if worst is not None else "."),
+        f"  - Median time ratio b/a at most {TIME_RATIO_TARGET}: {sum(x['targets']['time'] for x in comps)} of {n}" +
+        (f"; b/a over all cells: median {statistics.median(ratios):.3f}, from {min(ratios):.3f} to {max(ratios):.3f}"
+         if ratios else "") +
+        (f"; two identical managed engines (a′/a) ranged from {min(controls):.3f} to {max(controls):.3f}"
+         if controls else "") +
+        (f"; {noisy} of the {len(time_misses)} misses lie within that noise" if time_misses and controls else "") +
+        ".",
+        f"  - Same losses as managed and exactly one optimizer update per logical step: "
+        f"{sum(x['same_losses'] and x['one_update_per_step'] for x in comps)} of {n}.",
+    ]
+    toggles = [c["comparisons"].get(configs.TOGGLE) for c in cells if (c.get("comparisons") or {}).get(configs.TOGGLE)]
+    if toggles:
+        toggle_ratios = [x["time_ratio"] for x in toggles if x["time_ratio"] is not None]
+        lines.append(f"  - The toggle workaround (c) sent the same collectives as managed in "
+                     f"{sum(x['same_collectives'] for x in toggles)} of {len(toggles)} cells" +
+                     (f"; c/a median {statistics.median(toggle_ratios):.3f}." if toggle_ratios else "."))
+    return lines
 
 
 def _render_section(section: dict, data: dict) -> List[str]:

@@ -20,6 +20,19 @@ import os
 import sys
 
 
+def _die_with_parent() -> None:
+    """On Linux, have the kernel kill this process when its parent dies (no orphan left in a collective)."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+        import signal
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
 def _reply(message: dict, stream) -> None:
     stream.write(json.dumps(message) + "\n")
     stream.flush()
@@ -98,6 +111,7 @@ def _run_child(request: dict) -> int:
 def serve(preload) -> None:
     # Our replies go to the launcher on the real stdout; everything else printed (DeepSpeed's logs) goes
     # to stderr, which the launcher keeps in a log file.
+    _die_with_parent()
     replies = os.fdopen(os.dup(sys.stdout.fileno()), "w")
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
 
@@ -118,6 +132,7 @@ def serve(preload) -> None:
         if pid == 0:
             code = 1
             try:
+                _die_with_parent()
                 replies.close()
                 code = _run_child(request)
             finally:
