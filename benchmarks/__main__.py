@@ -83,6 +83,9 @@ def cmd_run(args) -> int:
             plan.warmup_steps = 1
             plan.measure_steps = {n: 2 for n in plan.micro_counts}
             plan.timing_steps = {n: 4 for n in plan.micro_counts}
+        for item in _csv(args.timing_steps):
+            n_micro, steps = item.split(":")
+            plan.timing_steps[int(n_micro)] = int(steps)
         data["devices"].append(measure_device(plan, log=_log))
         data["finished"] = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
         _write(data, out_md, out_json)  # after each device, so a later failure keeps what was measured
@@ -95,14 +98,16 @@ def _write(data: dict, out_md: Path, out_json: Path) -> None:
     report.analyze(data)
     out_json.parent.mkdir(parents=True, exist_ok=True)
     out_json.write_text(json.dumps(data, indent=1, sort_keys=False) + "\n")
-    out_md.write_text(report.render(data))
+    out_md.write_text(report.render(data, report.ANALYSIS if out_md == DOCS_MD else None))
 
 
 def cmd_render(args) -> int:
     from benchmarks import report
     source = Path(args.json)
     data = json.loads(source.read_text())
-    Path(args.out).write_text(report.render(report.analyze(data)))
+    out = Path(args.out)
+    analysis = report.ANALYSIS if out.resolve() == DOCS_MD.resolve() else None
+    out.write_text(report.render(report.analyze(data), analysis))
     print(f"wrote {args.out}")
     return 0
 
@@ -127,6 +132,9 @@ def main(argv=None) -> int:
                      type=int,
                      default=0,
                      help="mode trials per mode, configuration and N (default: 3; quick: 2)")
+    run.add_argument("--timing-steps",
+                     default="",
+                     help="measured steps per engine of the timing trial, as N:steps,... (default 1:32,4:16,16:8)")
     run.add_argument("--device",
                      choices=["auto", "cpu", "cuda"],
                      default="auto",

@@ -12,7 +12,9 @@ control (a′, a second managed engine in the timing trial) gives the ratio that
 
 from __future__ import annotations
 
+import re
 import statistics
+from pathlib import Path
 from typing import Dict, List, Optional
 
 from benchmarks import configs
@@ -125,6 +127,8 @@ def compare(cell: dict, mode: str) -> Optional[dict]:
         engine_ratio = this["engine_peak_rss_bytes"] / base["engine_peak_rss_bytes"]
     timing = summarize_timing(cell.get("timing"), mode)
     control = summarize_timing(cell.get("timing"), CONTROL)
+    parameters = base_entry["rounds"][0]["parameters"]
+    world = len(base_entry["rounds"][0]["losses"])
     result = {
         "same_collectives": not differences and same_steps,
         "count_differences": differences,
@@ -138,6 +142,9 @@ def compare(cell: dict, mode: str) -> Optional[dict]:
         "cpu_time_ratio": timing["cpu_ratio"] if timing else None,
         "control_ratio": control["ratio"] if control else None,
         "control_ratio_quartiles": control["ratio_quartiles"] if control else None,
+        "control_cpu_ratio": control["cpu_ratio"] if control else None,
+        # One rank's share of the gradients in fp32: the size of a gradient-partition buffer.
+        "fp32_gradient_partition_bytes": 4 * parameters / world,
         "timing": timing,
         "max_loss_difference": max(loss_diff, timing["max_loss_difference"] if timing else 0.0),
         "one_update_per_step": this["one_update_per_step"] and (timing is None or timing["one_update_per_step"]),
@@ -172,6 +179,11 @@ def _reasons(result: dict, this: dict) -> List[str]:
             text += f"; managed's own peak moves {own * 100:.1f} % between rounds, so this is {noise} that noise"
         if result["engine_memory_ratio"] is not None:
             text += f"; counted from the RSS before the model existed the ratio is {result['engine_memory_ratio']:.3f}"
+        partition = result["fp32_gradient_partition_bytes"]
+        if partition and abs(abs(result["memory_delta_bytes"]) / partition - 1) <= 0.15:
+            text += (
+                f"; the difference is the size of one rank's fp32 gradient partition ({partition / MIB:.1f} MiB): "
+                "a gradient buffer held by one mode and not the other")
         reasons.append(text)
     if not result["targets"]["time"] and result["time_ratio"] is not None:
         q1, _, q3 = result["time_ratio_quartiles"]
@@ -183,6 +195,8 @@ def _reasons(result: dict, this: dict) -> List[str]:
                      f"(quartiles {c1:.2f}–{c3:.2f}), so this is {noise} the noise")
         if result["cpu_time_ratio"] is not None:
             text += f"; CPU-time ratio {result['cpu_time_ratio']:.3f}"
+            if result["control_cpu_ratio"] is not None:
+                text += f" (control {result['control_cpu_ratio']:.3f})"
             if result["cpu_time_ratio"] <= TIME_RATIO_TARGET:
                 text += " (the ranks computed no more: the extra wall time was spent waiting)"
         reasons.append(text)
@@ -303,7 +317,8 @@ def _series_line(ds: dict) -> str:
     return text
 
 
-def render(data: dict) -> str:
+def render(data: dict, analysis_path: Optional[Path] = None) -> str:
+    """The Markdown page; ``analysis_path`` (default: none) adds the hand-written analysis."""
     machine = data["machine"]
     lines = [
         "# Benchmarks: the cost of owning the boundary",
@@ -337,9 +352,32 @@ def render(data: dict) -> str:
     for section in data["devices"]:
         lines += _summary(section)
     lines.append("")
+    lines += _analysis(data, analysis_path)
     for section in data["devices"]:
         lines += _render_section(section, data)
     return "\n".join(lines).rstrip() + "\n"
+
+
+#: A hand-written reading of the committed run (why a target was missed), kept beside the code.
+ANALYSIS = Path(__file__).resolve().parent / "analysis.md"
+_RUN_MARKER = re.compile(r"<!--\s*run:\s*(\S+)\s*-->")
+
+
+def _analysis(data: dict, path: Optional[Path]) -> List[str]:
+    """The analysis file's text, under a heading; flagged if it was written for another run."""
+    if path is None or not path.is_file():
+        return []
+    text = path.read_text().strip()
+    match = _RUN_MARKER.search(text)
+    text = _RUN_MARKER.sub("", text).strip()
+    lines = ["## Analysis", ""]
+    if not match or match.group(1) != data.get("finished"):
+        written_for = match.group(1) if match else "an unnamed run"
+        lines += [
+            f"> Written for the run of {written_for}, not for the one below ({data.get('finished')}): check "
+            "that it still applies.", ""
+        ]
+    return lines + text.splitlines() + [""]
 
 
 def _summary(section: dict) -> List[str]:

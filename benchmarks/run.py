@@ -41,7 +41,7 @@ class Plan:
     #: Measured logical steps of a mode trial, by N.
     measure_steps: Dict[int, int] = field(default_factory=lambda: {1: 3, 4: 2, 16: 2})
     #: Measured logical steps per engine of the timing trial, by N: more where a step is short.
-    timing_steps: Dict[int, int] = field(default_factory=lambda: {1: 32, 4: 12, 16: 5})
+    timing_steps: Dict[int, int] = field(default_factory=lambda: {1: 32, 4: 16, 16: 8})
     size: ModelSize = field(default_factory=ModelSize)
     dtype: str = "fp32"
     threads: int = 1

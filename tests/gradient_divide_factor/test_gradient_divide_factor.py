@@ -6,9 +6,13 @@ from support import scenarios
 
 pytestmark = pytest.mark.pr(5)
 
-STAGE_PATHS = ["fp32-deepspeed-optimizer", "zero1-fp32", "zero2-fp32", "zero2-overlap-comm", "zero3-fp32",
-               "zero1-bf16-fp32-accumulation", "zero2-bf16", "fp16-unfused", "zero1-offload", "zero2-offload",
-               "zero3-offload", "zero3-offload-param"]
+#: Every way the factor is applied: folded into the loss-scale division of the ZeRO optimizers (fp32, bf16,
+#: fp16, CPU and NVMe offload) and of the fused FP16 optimizer; one in-place pass for the BF16 optimizer,
+#: the unfused FP16 optimizer and fp32 without ZeRO (DeepSpeed's and a client optimizer).
+STAGE_PATHS = ["fp32-deepspeed-optimizer", "fp32-client-optimizer", "bf16", "fp16-fused", "fp16-unfused",
+               "zero1-fp32", "zero1-bf16-fp32-accumulation", "zero1-fp16", "zero2-fp32", "zero2-overlap-comm",
+               "zero2-bf16", "zero2-fp16", "zero3-fp32", "zero3-bf16", "zero3-fp16", "zero1-offload",
+               "zero2-offload", "zero3-offload", "zero3-offload-param", "zero3-offload-nvme"]
 
 
 @pytest.mark.world_size(1, 2, 4)

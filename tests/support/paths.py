@@ -17,6 +17,14 @@ import torch
 from .training import HIDDEN, FEATURES, OUTPUTS, base_config, make_model, merge
 
 
+#: DeepSpeed 0.19.3 re-gathers ZeRO-3's persistent parameters after every step with one async all-gather
+#: per parameter and waits for the last handle only (partition_parameters.py, _allgather_params_coalesced).
+#: NCCL completes them in order; gloo's worker threads do not, so the next forward can read unfilled
+#: memory on CPU (seen as ~1 in 5 runs of a bf16 model with NaN or silently wrong gradients, in managed
+#: mode too). The tests gather sequentially on CPU; the values are the same bits.
+SEQUENTIAL_GATHERS_ON_GLOO = {"stage3_allgather_sequential": True}
+
+
 @dataclass(frozen=True)
 class Path:
     """One engine configuration: extra ds_config keys on top of base_config, and initialize() kwargs."""
@@ -30,7 +38,10 @@ class Path:
     zero_init: bool = False  # build the model inside deepspeed.zero.Init
 
     def config(self, gas: int, managed: bool | None, **more: Any) -> dict:
-        return merge(base_config(gas, managed=managed, stage=self.stage, dtype=self.dtype, **self.extra), more)
+        config = merge(base_config(gas, managed=managed, stage=self.stage, dtype=self.dtype, **self.extra), more)
+        if self.stage == 3 and not torch.cuda.is_available():
+            config["zero_optimization"] = {**SEQUENTIAL_GATHERS_ON_GLOO, **config["zero_optimization"]}
+        return config
 
     def initialize(self, gas: int, managed: bool | None, **more: Any):
         from .training import initialize
