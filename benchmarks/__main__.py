@@ -3,6 +3,7 @@
     python -m benchmarks run            # the full run: writes docs/benchmarks.md and docs/benchmarks.json
     python -m benchmarks run --quick    # a smoke run on a tiny model (writes under scratch/ by default)
     python -m benchmarks render         # re-render docs/benchmarks.md from docs/benchmarks.json
+    python -m benchmarks factor         # re-measure only the gradient_divide_factor table into the JSON
     python -m benchmarks list           # the configurations
 """
 
@@ -112,6 +113,35 @@ def cmd_render(args) -> int:
     return 0
 
 
+def cmd_factor(args) -> int:
+    """Re-measure the gradient_divide_factor trials of an existing run and re-render its page."""
+    os.environ.setdefault("DS_BUILD_OPS", "0")
+    from benchmarks import configs
+    from benchmarks.model import ModelSize
+    from benchmarks.run import Plan, measure_factor
+
+    source = Path(args.json)
+    data = json.loads(source.read_text())
+    for section in data["devices"]:
+        s = section["settings"]
+        names = list(dict.fromkeys(c["configuration"] for c in section["results"]))
+        plan = Plan(device=section["device"],
+                    world_size=s["world_size"],
+                    configurations=[configs.BY_NAME[n] for n in names],
+                    size=ModelSize(**s["model"]),
+                    dtype=s["dtype"],
+                    threads=s["threads_per_rank"],
+                    factor_micro_counts=[int(n) for n in _csv(args.micro)],
+                    scratch=ROOT / "scratch" / "benchmarks")
+        section["factor"] = measure_factor(plan, log=_log)
+        s["factor_micro_counts"] = plan.factor_micro_counts
+        data.setdefault("factor_command", "python -m benchmarks factor")
+        data["factor_finished"] = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+        _write(data, Path(args.out), source)
+    print(f"wrote {args.out} and {source}")
+    return 0
+
+
 def cmd_list(args) -> int:
     from benchmarks import configs
     for c in configs.CONFIGURATIONS:
@@ -153,6 +183,12 @@ def main(argv=None) -> int:
     render.add_argument("--json", default=str(DOCS_JSON))
     render.add_argument("--out", default=str(DOCS_MD))
     render.set_defaults(func=cmd_render)
+
+    factor = sub.add_parser("factor", help="re-measure only the gradient_divide_factor timing (d against b)")
+    factor.add_argument("--json", default=str(DOCS_JSON))
+    factor.add_argument("--out", default=str(DOCS_MD))
+    factor.add_argument("--micro", default="1,4", help="micro-batches per logical step (default: 1,4)")
+    factor.set_defaults(func=cmd_factor)
 
     listing = sub.add_parser("list", help="list the configurations")
     listing.set_defaults(func=cmd_list)

@@ -26,6 +26,9 @@ UNMANAGED = "unmanaged"
 TOGGLE = "toggle"
 MODES = (MANAGED, UNMANAGED, TOGGLE)
 MODE_LETTER = {MANAGED: "a", UNMANAGED: "b", TOGGLE: "c"}
+#: (d), timed against (b) only: unmanaged with raw losses and ``step(gradient_divide_factor=N * world)``,
+#: the same update as (b) with the normaliser applied once per step instead of to every loss (PR 5).
+FACTOR = "unmanaged_factor"
 
 
 @dataclass(frozen=True)
@@ -127,7 +130,7 @@ def ds_config(configuration: Configuration,
         config["bf16"] = {"enabled": True}
     elif dtype == "fp16":
         config["fp16"] = {"enabled": True, "initial_scale_power": 8}
-    if mode == UNMANAGED:
+    if mode in (UNMANAGED, FACTOR):
         config[FLAG] = False
     return config
 
@@ -167,4 +170,20 @@ def toggle_step(engine, batches, n_micro: int):
     return total
 
 
-LOOPS: Dict[str, Callable] = {MANAGED: managed_step, UNMANAGED: unmanaged_step, TOGGLE: toggle_step}
+def factor_step(engine, batches, n_micro: int):
+    """(d) Raw losses, one normaliser per step: ``step(gradient_divide_factor=N * world)``."""
+    total = 0.0
+    for tokens in batches:
+        loss = engine(tokens)
+        engine.backward(loss, scale_wrt_gas=False)
+        total += loss.detach()
+    engine.step(gradient_divide_factor=n_micro * engine.dp_world_size)
+    return total
+
+
+LOOPS: Dict[str, Callable] = {
+    MANAGED: managed_step,
+    UNMANAGED: unmanaged_step,
+    TOGGLE: toggle_step,
+    FACTOR: factor_step,
+}

@@ -8,6 +8,10 @@ For one configuration and micro-batch count N:
 * **One timing trial** then holds an engine per mode (plus a second managed engine, the control) and
   drives them step by step in rotating order, so b/a and c/a are measured pair by pair on
   neighbouring steps, and a′/a shows how far two identical engines drift apart on this machine.
+
+Then, for the step-time normaliser of PR 5, one more timing trial per configuration (at
+``Plan.factor_micro_counts``) holds (b), (d) (raw losses and ``step(gradient_divide_factor=N * world)``)
+and a second (b) engine b′, so d/b is measured against the noise b′/b.
 """
 
 from __future__ import annotations
@@ -50,6 +54,8 @@ class Plan:
     scratch: Path = ROOT / "scratch" / "benchmarks"
     #: Run configurations even where they are skipped by default (``Configuration.skip_on``).
     force: bool = False
+    #: N of the gradient_divide_factor timing trials (d against b); empty: none.
+    factor_micro_counts: List[int] = field(default_factory=lambda: [1, 4])
 
     @property
     def backend(self) -> str:
@@ -80,6 +86,7 @@ class Plan:
             "dtype": self.dtype,
             "threads_per_rank": self.threads,
             "bucket_elements": configs.BUCKET_ELEMENTS,
+            "factor_micro_counts": self.factor_micro_counts,
         }
 
 
@@ -89,7 +96,8 @@ def trial_spec(plan: Plan,
                nvme_path: Optional[Path],
                *,
                mode: Optional[str] = None,
-               timing_modes: Optional[List[str]] = None) -> dict:
+               timing_modes: Optional[List[str]] = None,
+               control_of: str = configs.MANAGED) -> dict:
     spec = {
         "device": plan.device,
         "backend": plan.backend,
@@ -106,7 +114,10 @@ def trial_spec(plan: Plan,
     if timing_modes is None:
         spec.update(kind="mode", mode=mode, measure_steps=plan.steps_for(n_micro))
     else:
-        spec.update(kind="timing", modes=timing_modes, measure_steps=plan.timing_steps_for(n_micro))
+        spec.update(kind="timing",
+                    modes=timing_modes,
+                    control_of=control_of,
+                    measure_steps=plan.timing_steps_for(n_micro))
     return spec
 
 
@@ -152,7 +163,13 @@ def combine_ranks(results: List[dict]) -> dict:
 def combine_timing(results: List[dict]) -> dict:
     """A timing trial's ranks -> per mode, the slowest rank's wall time and the busiest rank's CPU time per step."""
     modes = results[0]["modes"]
-    out = {"modes": modes, "times_s": {}, "cpu_times_s": {}, "global_steps": results[0]["global_steps"]}
+    out = {
+        "modes": modes,
+        "control_of": results[0].get("control_of", configs.MANAGED),
+        "times_s": {},
+        "cpu_times_s": {},
+        "global_steps": results[0]["global_steps"]
+    }
     for mode in modes:
         steps = len(results[0]["times_s"][mode])
         out["times_s"][mode] = [max(r["times_s"][mode][i] for r in results) for i in range(steps)]
@@ -238,6 +255,36 @@ class _Runner:
         self.log(f"{label}: " + ", ".join(f"{m} {v:.1f} ms"
                                           for m, v in medians.items()) + f" ({time.monotonic() - t0:.1f} s)")
 
+    def factor(self, configuration, n_micro: int) -> dict:
+        """(d) against (b) and a second (b) engine, in one timing trial."""
+        cell = {
+            "configuration": configuration.name,
+            "offload": configuration.offload,
+            "n_micro": n_micro,
+            "measured_steps": self.plan.timing_steps_for(n_micro)
+        }
+        t0 = time.monotonic()
+        results = self.run(configuration, {
+            "n_micro": n_micro,
+            "timing_modes": [configs.UNMANAGED, configs.FACTOR],
+            "control_of": configs.UNMANAGED
+        })
+        label = f"[{self.plan.device}] {configuration.name} N={n_micro} gradient_divide_factor timing"
+        statuses = {r["status"] for r in results}
+        if "unsupported" in statuses and "error" not in statuses:
+            reason = next(r["reason"] for r in results if r["status"] == "unsupported")
+            cell["timing"] = {"status": "unsupported", "reason": reason}
+            self.log(f"{label}: not supported by the installed stack ({reason})")
+        elif statuses != {"ok"}:
+            cell["timing"] = {"status": "error", **_first_error(results)}
+            self.log(f"{label}: ERROR {cell['timing']['error']}")
+        else:
+            cell["timing"] = {"status": "ok", **combine_timing(results)}
+            medians = {m: statistics.median(cell["timing"]["times_s"][m]) * 1e3 for m in cell["timing"]["modes"]}
+            self.log(f"{label}: " + ", ".join(f"{m} {v:.1f} ms"
+                                              for m, v in medians.items()) + f" ({time.monotonic() - t0:.1f} s)")
+        return cell
+
 
 def _missing(plan: Plan, configuration: configs.Configuration, preload_errors: dict) -> List[str]:
     missing = []
@@ -251,8 +298,7 @@ def _missing(plan: Plan, configuration: configs.Configuration, preload_errors: d
     return missing
 
 
-def measure_device(plan: Plan, log: Callable[[str], None] = print) -> dict:
-    """Run every trial of ``plan``; return the device's section of the results (see benchmarks.report)."""
+def _preload(plan: Plan) -> List[str]:
     runnable = [c for c in plan.configurations if plan.force or not (c.skip_on or {}).get(plan.device)]
     # On CUDA the hosts must not touch the GPU before forking, so trials load their ops themselves.
     preload = ["shm_comm"] if plan.device == "cpu" else []
@@ -260,6 +306,28 @@ def measure_device(plan: Plan, log: Callable[[str], None] = print) -> dict:
         preload.append("cpu_adam")
     if plan.device == "cpu" and any(c.uses_nvme for c in runnable):
         preload.append("async_io")
+    return preload
+
+
+def _measure_factor(plan: Plan, runner: _Runner, preload_errors: dict) -> List[dict]:
+    cells = []
+    for configuration in plan.configurations:
+        if not _missing(plan, configuration, preload_errors):
+            cells += [runner.factor(configuration, n_micro) for n_micro in plan.factor_micro_counts]
+    return cells
+
+
+def measure_factor(plan: Plan, log: Callable[[str], None] = print) -> List[dict]:
+    """Only the gradient_divide_factor trials of ``plan`` (a device section's ``factor`` list)."""
+    preload = _preload(plan)
+    plan.scratch.mkdir(parents=True, exist_ok=True)
+    with RankPool(plan.world_size, plan.device, preload, log_dir=plan.scratch / f"logs-{plan.device}") as pool:
+        return _measure_factor(plan, _Runner(plan, pool, log), dict(pool.preload_errors))
+
+
+def measure_device(plan: Plan, log: Callable[[str], None] = print) -> dict:
+    """Run every trial of ``plan``; return the device's section of the results (see benchmarks.report)."""
+    preload = _preload(plan)
     plan.scratch.mkdir(parents=True, exist_ok=True)
     section = {"device": plan.device, "settings": plan.settings(), "preload_errors": {}, "results": []}
     log(f"[{plan.device}] starting {plan.world_size} ranks (loading ops: {', '.join(preload) or 'none'})")
@@ -300,7 +368,8 @@ def measure_device(plan: Plan, log: Callable[[str], None] = print) -> dict:
                     cell["modes"][configs.UNMANAGED].update(status="unsupported", reason=refusal)
                 refusal = runner.mode_rounds(configuration, cell) or refusal
                 runner.timing(configuration, cell)
+        section["factor"] = _measure_factor(plan, runner, pool.preload_errors)
     return section
 
 
-__all__ = ["Plan", "measure_device", "trial_spec", "combine_ranks", "combine_timing", "CONTROL"]
+__all__ = ["Plan", "measure_device", "measure_factor", "trial_spec", "combine_ranks", "combine_timing", "CONTROL"]

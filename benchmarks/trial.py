@@ -26,7 +26,7 @@ from benchmarks.comm_counter import CommCounter, subtract
 from benchmarks.memory import PeakMemory, current_rss_bytes, stabilize_allocator
 from benchmarks.model import ModelSize, build_model, micro_batches, parameter_count
 
-#: The control engine of a timing trial: managed mode again.
+#: The control engine of a timing trial: the mode named by the spec's ``control_of`` (default: managed) again.
 CONTROL = "managed_control"
 
 
@@ -65,11 +65,20 @@ class Rank:
         self.n_micro = spec["n_micro"]
         self.configuration = configs.BY_NAME[spec["configuration"]]
 
+    @property
+    def control_of(self) -> str:
+        return self.spec.get("control_of", configs.MANAGED)
+
     def build_engine(self, mode: str, nvme_path=None):
         """A fresh model and engine for ``mode``; raises :class:`Unsupported` where the stack refuses it."""
+        import inspect
         import deepspeed
+        if mode == configs.FACTOR and "gradient_divide_factor" not in inspect.signature(
+                deepspeed.DeepSpeedEngine.step).parameters:
+            raise Unsupported(
+                f"the installed DeepSpeed {deepspeed.__version__} has no step(gradient_divide_factor=...)")
         ds_config = configs.ds_config(self.configuration,
-                                      configs.MANAGED if mode == CONTROL else mode,
+                                      self.control_of if mode == CONTROL else mode,
                                       self.n_micro,
                                       self.size.micro_batch,
                                       self.world,
@@ -82,7 +91,7 @@ class Rank:
             if mode == configs.UNMANAGED and _mentions_flag(error):
                 raise Unsupported(_first_line(error)) from error
             raise
-        if mode == configs.UNMANAGED:
+        if mode in (configs.UNMANAGED, configs.FACTOR):
             flag = getattr(engine, configs.FLAG, None)
             if callable(flag):
                 flag = flag()
@@ -179,7 +188,8 @@ def run_timing_trial(spec: dict) -> dict:
         shift = step % len(modes)
         for mode in modes[shift:] + modes[:shift]:
             dist.barrier()
-            loss, wall, cpu = rank.timed_step(configs.LOOPS.get(mode, configs.managed_step), engines[mode], row)
+            loop = configs.LOOPS[rank.control_of if mode == CONTROL else mode]
+            loss, wall, cpu = rank.timed_step(loop, engines[mode], row)
             losses[mode].append(loss)
             if step >= warm:
                 times[mode].append(wall)
@@ -189,6 +199,7 @@ def run_timing_trial(spec: dict) -> dict:
         "status": "ok",
         "rank": rank.rank,
         "modes": modes,
+        "control_of": rank.control_of,
         "times_s": times,
         "cpu_times_s": cpu_times,
         "losses": losses,
@@ -212,7 +223,8 @@ def run_trial_safely(spec: dict) -> dict:
     except Unsupported as refusal:
         return {"status": "unsupported", "reason": str(refusal)}
     except Exception as error:  # noqa: BLE001 - a refusal at the first step counts as "not supported" too
-        if configs.UNMANAGED in (spec.get("mode"), *spec.get("modes", ())) and _mentions_flag(error):
+        if {configs.UNMANAGED, configs.FACTOR} & {spec.get("mode"), *spec.get("modes", ())} \
+                and _mentions_flag(error):
             return {"status": "unsupported", "reason": _first_line(error)}
         return {"status": "error", "error": _first_line(error), "traceback": traceback.format_exc()}
     except BaseException as error:  # noqa: BLE001 - reported to the parent, which decides
