@@ -431,6 +431,14 @@ def factor_errors(path_name: str) -> None:
     with pytest.raises(ValueError, match="requires managed_gradient_accumulation=false"):
         managed.step(gradient_divide_factor=4.0)
     destroy(managed)
+    # Without an optimizer that unscales, the factor replaces the averaging of the all-reduce: refused when
+    # the engine does not reduce (or does not average) the gradients.
+    plain = PATHS["fp32-deepspeed-optimizer"].initialize(gas=1, managed=False)
+    plain.enable_backward_allreduce = False
+    plain.backward(forward_loss(plain, 0, 0))
+    with pytest.raises(ValueError, match="enable_backward_allreduce=False"):
+        plain.step(gradient_divide_factor=4.0)
+    destroy(plain)
 
 
 def gas_scaling_mismatch_warnings(path_name: str) -> list:
