@@ -87,11 +87,35 @@ def cmd_run(args) -> int:
         for item in _csv(args.timing_steps):
             n_micro, steps = item.split(":")
             plan.timing_steps[int(n_micro)] = int(steps)
+        # The factor's timing at the default N (1 and 4) where this run measures them, else at its first N.
+        plan.factor_micro_counts = [n for n in plan.factor_micro_counts if n in plan.micro_counts
+                                    ] or plan.micro_counts[:1]
         data["devices"].append(measure_device(plan, log=_log))
         data["finished"] = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
         _write(data, out_md, out_json)  # after each device, so a later failure keeps what was measured
     _log(f"wrote {out_md} and {out_json}")
-    return 0
+    failed = _failed_trials(data)
+    for line in failed:
+        print(f"error: {line}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def _failed_trials(data: dict) -> list:
+    """One line per trial that ended in an error (a refusal by the installed stack is not one)."""
+    failed = []
+    for section in data["devices"]:
+        for cell in section["results"]:
+            where = f"{section['device']} {cell['configuration']} N={cell['n_micro']}"
+            failed += [
+                f"{where} {mode}: {e.get('error')}" for mode, e in cell["modes"].items() if e["status"] == "error"
+            ]
+            if cell.get("timing", {}).get("status") == "error":
+                failed.append(f"{where} timing: {cell['timing'].get('error')}")
+        for cell in section.get("factor", []):
+            if cell["timing"]["status"] == "error":
+                failed.append(f"{section['device']} {cell['configuration']} N={cell['n_micro']} factor timing: "
+                              f"{cell['timing'].get('error')}")
+    return failed
 
 
 def _write(data: dict, out_md: Path, out_json: Path) -> None:
