@@ -425,6 +425,8 @@ def factor_errors(path_name: str) -> None:
     for bad in (0, -1.0, float("inf")):
         with pytest.raises(ValueError, match="positive and finite"):
             engine.step(gradient_divide_factor=bad)
+    with pytest.raises(ValueError, match="a number or a 0-dim tensor"):
+        engine.step(gradient_divide_factor=torch.tensor([2.0, 2.0]))
     destroy(engine)
     managed = PATHS[path_name].initialize(gas=1, managed=True)
     managed.backward(forward_loss(managed, 0, 0))
