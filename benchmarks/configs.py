@@ -1,4 +1,4 @@
-"""The ZeRO and offload configurations the benchmark compares, and the three ways of driving them.
+"""The ZeRO and offload configurations the benchmark compares, and the ways of driving them (see logical_step).
 
 A configuration names a ZeRO stage and an offload mode. For each configuration and micro-batch count
 N, the same ds_config (``gradient_accumulation_steps = N``) is driven three ways, which differ only
@@ -17,7 +17,7 @@ All three call ``backward(loss / N, scale_wrt_gas=False)``, so they compute the 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional
+from typing import Dict, List, Optional
 
 FLAG = "managed_gradient_accumulation"
 
@@ -135,55 +135,28 @@ def ds_config(configuration: Configuration,
     return config
 
 
-# -- the three training loops --------------------------------------------------------------------------------
-def managed_step(engine, batches, n_micro: int):
-    """(a) DeepSpeed owns the boundary: ``step()`` after every backward; the N-th one updates."""
-    total = 0.0
-    for tokens in batches:
-        loss = engine(tokens)
-        engine.backward(loss / n_micro, scale_wrt_gas=False)
-        engine.step()
-        total += loss.detach()
-    return total
+# -- the training loops --------------------------------------------------------------------------------------
+def logical_step(mode: str, engine, batches, n_micro: int):
+    """One logical step of ``n_micro`` micro-batches driven the way ``mode`` says; returns the summed loss.
 
-
-def unmanaged_step(engine, batches, n_micro: int):
-    """(b) The caller owns the boundary: N backwards, then exactly one ``step()``."""
-    total = 0.0
-    for tokens in batches:
-        loss = engine(tokens)
-        engine.backward(loss / n_micro, scale_wrt_gas=False)
-        total += loss.detach()
-    engine.step()
-    return total
-
-
-def toggle_step(engine, batches, n_micro: int):
-    """(c) Today's workaround: set the boundary by hand before each micro-batch, step after each."""
+    (a) managed: ``step()`` after every backward, DeepSpeed's counter makes the N-th one the update;
+    (b) unmanaged: N backwards, then exactly one ``step()``; (c) toggle: the boundary set by hand before
+    each micro-batch, ``step()`` after each; (d) factor: raw losses, then
+    ``step(gradient_divide_factor=N * world)``. (a)-(c) divide each loss by N, so all four compute the
+    same update.
+    """
+    caller_owns_boundary = mode in (UNMANAGED, FACTOR)
     total = 0.0
     for index, tokens in enumerate(batches):
-        engine.set_gradient_accumulation_boundary(index == n_micro - 1)
+        if mode == TOGGLE:
+            engine.set_gradient_accumulation_boundary(index == n_micro - 1)
         loss = engine(tokens)
-        engine.backward(loss / n_micro, scale_wrt_gas=False)
+        engine.backward(loss if mode == FACTOR else loss / n_micro, scale_wrt_gas=False)
+        if not caller_owns_boundary:
+            engine.step()
+        total += loss.detach()
+    if mode == FACTOR:
+        engine.step(gradient_divide_factor=n_micro * engine.dp_world_size)
+    elif mode == UNMANAGED:
         engine.step()
-        total += loss.detach()
     return total
-
-
-def factor_step(engine, batches, n_micro: int):
-    """(d) Raw losses, one normaliser per step: ``step(gradient_divide_factor=N * world)``."""
-    total = 0.0
-    for tokens in batches:
-        loss = engine(tokens)
-        engine.backward(loss, scale_wrt_gas=False)
-        total += loss.detach()
-    engine.step(gradient_divide_factor=n_micro * engine.dp_world_size)
-    return total
-
-
-LOOPS: Dict[str, Callable] = {
-    MANAGED: managed_step,
-    UNMANAGED: unmanaged_step,
-    TOGGLE: toggle_step,
-    FACTOR: factor_step,
-}

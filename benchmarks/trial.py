@@ -110,11 +110,11 @@ class Rank:
             import torch
             torch.cuda.synchronize()
 
-    def timed_step(self, loop, engine, row):
-        """One logical step, timed from an aligned start: (mean loss, wall s, CPU s of this process)."""
+    def timed_step(self, mode, engine, row):
+        """One logical step in ``mode``, timed from an aligned start: (mean loss, wall s, CPU s of this process)."""
         self.synchronize()
         start, start_cpu = time.perf_counter(), time.process_time()
-        loss = loop(engine, row, self.n_micro)
+        loss = configs.logical_step(mode, engine, row, self.n_micro)
         self.synchronize()
         return float(loss) / self.n_micro, time.perf_counter() - start, time.process_time() - start_cpu
 
@@ -129,7 +129,6 @@ def run_mode_trial(spec: dict) -> dict:
     counter = CommCounter().install()
     mode = spec["mode"]
     engine, n_params = rank.build_engine(mode, spec.get("nvme_path"))
-    loop = configs.LOOPS[mode]
     warm = spec["warmup_steps"]
     batches = rank.batches(warm + spec["measure_steps"], engine.device)
 
@@ -143,7 +142,7 @@ def run_mode_trial(spec: dict) -> dict:
         with counter.paused():
             dist.barrier()
         before = counter.snapshot()
-        loss, wall, cpu = rank.timed_step(loop, engine, row)
+        loss, wall, cpu = rank.timed_step(mode, engine, row)
         counts.append(subtract(counter.snapshot(), before))
         losses.append(loss)
         times.append(wall)
@@ -188,8 +187,7 @@ def run_timing_trial(spec: dict) -> dict:
         shift = step % len(modes)
         for mode in modes[shift:] + modes[:shift]:
             dist.barrier()
-            loop = configs.LOOPS[rank.control_of if mode == CONTROL else mode]
-            loss, wall, cpu = rank.timed_step(loop, engines[mode], row)
+            loss, wall, cpu = rank.timed_step(rank.control_of if mode == CONTROL else mode, engines[mode], row)
             losses[mode].append(loss)
             if step >= warm:
                 times[mode].append(wall)

@@ -91,11 +91,11 @@ def comms_logger_body(stage: int):
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     batches = micro_batches(TINY, dist.get_rank(), 2, 2)
     try:
-        configs.managed_step(engine, batches[0], 2)  # warm-up: the first step may set things up
+        configs.logical_step(configs.MANAGED, engine, batches[0], 2)  # warm-up: the first step may set things up
         dist.barrier()
         dist.comms_logger.comms_dict.clear()
         with CommCounter() as counter:
-            configs.managed_step(engine, batches[1], 2)
+            configs.logical_step(configs.MANAGED, engine, batches[1], 2)
             ours = counter.snapshot()
         logged = {}
         for name, by_size in dist.comms_logger.comms_dict.items():
