@@ -3,8 +3,8 @@
 Optimizer offload (CPU and NVMe) for ZeRO stages 1, 2 and 3, parameter offload (CPU and NVMe) for
 stage 3.
 
-``OFFLOAD_PATHS`` is meant to be merged into ``support.paths.PATHS``; until it is, importing this module
-registers it there, so the shared scenarios (which look paths up by name in ``PATHS``) find them.
+``support.paths`` imports this module, which adds ``OFFLOAD_PATHS`` to ``support.paths.PATHS``, so the shared
+scenarios (which look paths up by name in ``PATHS``) find them.
 
 Optimizer offload keeps the fp32 master partition, its gradient and the optimizer state in host memory.
 On the CPU accelerator "device" and host are both CPU, but the code paths (CPU accumulation buffers,
@@ -13,6 +13,7 @@ pinned buffers, the boundary-time copies into the fp32 partition) are the real o
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
@@ -40,7 +41,7 @@ def _offload(stage: int,
 def _with_zero(path: Path, **zero: Any) -> Path:
     extra = dict(path.extra)
     extra["zero_optimization"] = {**extra["zero_optimization"], **zero}
-    return Path(path.stage, path.dtype, extra, path.kwargs, path.model_fn, path.needs_fp16)
+    return dataclasses.replace(path, extra=extra)
 
 
 #: Optimizer offload for every ZeRO stage and the options that change its code path (stage 3 added below).

@@ -270,7 +270,16 @@ def make_moe_model() -> torch.nn.Module:
     return TinyMoE(ep_size=2 if dist.get_world_size() % 2 == 0 else 1)
 
 
-WARMUP = {"scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-2, "warmup_num_steps": 4}}}
+WARMUP = {
+    "scheduler": {
+        "type": "WarmupLR",
+        "params": {
+            "warmup_min_lr": 0.0,
+            "warmup_max_lr": 1e-2,
+            "warmup_num_steps": 4
+        }
+    }
+}
 CLIP = {"gradient_clipping": 0.05}
 
 #: Every optimizer path ZeRO stage 0/1 can take (PR 1), each with clipping and most with an LR scheduler.
@@ -315,6 +324,7 @@ ZERO_2_PATHS: dict[str, Path] = {
     "zero2-moe": _zero2(model_fn=make_moe_model),
     "zero2-branchy": _zero2(model_fn=make_branchy_model),
 }
+
 
 def _zero3(dtype: str = "fp32", needs_fp16: bool = False, model_fn=make_model, **zero: Any) -> Path:
     # Persistence threshold 0 partitions every parameter; the default keeps these tiny ones whole.

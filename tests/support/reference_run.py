@@ -12,6 +12,7 @@ import hashlib
 
 import torch
 
+from .paths import SEQUENTIAL_GATHERS_ON_GLOO
 from .training import base_config, flatten, initialize, run_managed
 
 STEPS = 3
@@ -26,9 +27,8 @@ CONFIGS = {
     "zero2-fp32": dict(stage=2),
     "zero2-bf16-overlap": dict(stage=2, dtype="bf16", zero_optimization={"overlap_comm": True}),
     "zero3-fp32": dict(stage=3, zero_optimization={"stage3_param_persistence_threshold": 0}),
-    # Sequential gathers: on gloo, 0.19.3 re-gathers persistent parameters after a step with async all-gathers
-    # and waits for the last one only (see support.paths.Path.config); results are the same bits.
-    "zero3-bf16": dict(stage=3, dtype="bf16", zero_optimization={"stage3_allgather_sequential": True}),
+    # Sequential gathers (see SEQUENTIAL_GATHERS_ON_GLOO; the fixture is recorded on gloo too).
+    "zero3-bf16": dict(stage=3, dtype="bf16", zero_optimization=SEQUENTIAL_GATHERS_ON_GLOO),
 }
 
 
