@@ -1,4 +1,8 @@
-"""Command line: ``python -m examples.tinker_server {serve,demo,rank}`` from the repository root."""
+"""Command line: ``python -m examples.tinker_server {serve,demo,rl-demo,rank}`` from the repository root.
+
+``rank`` is one process of a server; ``serve`` starts W of them itself, and ``torchrun`` or the
+``deepspeed`` launcher can start them instead (see docs/tinker-server.md).
+"""
 
 from __future__ import annotations
 
@@ -22,6 +26,11 @@ def _server_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-compress", action="store_true", help="do not ask the SDK to zstd request bodies")
     parser.add_argument("--long-poll-s", type=float, default=10.0,
                         help="how long retrieve_future holds a pending request before answering try_again")
+    parser.add_argument("--base-model", action="append", default=[], metavar="PATH",
+                        help="a local Hugging Face causal LM directory to serve (repeatable); clients name it by "
+                        "its absolute path")
+    parser.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
+                        help="auto: one GPU per rank with NCCL when CUDA GPUs exist, else the CPU with gloo")
 
 
 def _rank_args(args: argparse.Namespace) -> list[str]:
@@ -32,6 +41,9 @@ def _rank_args(args: argparse.Namespace) -> list[str]:
         out.append("--no-compress")
     if args.ready_file:
         out += ["--ready-file", str(args.ready_file)]
+    for path in args.base_model:
+        out += ["--base-model", str(Path(path).expanduser().resolve())]
+    out += ["--device", args.device, "--host", args.host]
     return out
 
 
@@ -51,14 +63,32 @@ def _demo(args: argparse.Namespace) -> int:
         print(f"[demo] server stopped (exit code {code})", flush=True)
 
 
+def _rl_demo(args: argparse.Namespace) -> int:
+    """Start a server on ``--world-size`` CPU ranks, run tinker-cookbook's RL loop against it, stop the server."""
+    checkpoints = args.checkpoint_dir / "rl-demo"
+    server = ServerProcess(world_size=args.world_size, zero_stage=args.zero_stage, checkpoint_dir=checkpoints,
+                           extra_args=["--max-chunk-datums", str(args.max_chunk_datums), "--device", "cpu"])
+    print(f"[rl-demo] starting the server on {args.world_size} CPU ranks (ZeRO stage {args.zero_stage})", flush=True)
+    base_url = server.start()
+    try:
+        client = [args.client_python, str(Path(__file__).with_name("rl_client.py")), "--base-url", base_url,
+                  "--log-dir", str(checkpoints / "cookbook-log")]
+        return subprocess.run(client, cwd=ROOT, timeout=args.timeout_s).returncode
+    finally:
+        code = server.stop()
+        print(f"[rl-demo] server stopped (exit code {code})", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m examples.tinker_server",
                                      description="A Tinker-protocol training server on DeepSpeed (unmanaged mode).")
     commands = parser.add_subparsers(dest="command", required=True)
 
-    serve_cmd = commands.add_parser("serve", help="serve on 127.0.0.1 from W CPU ranks until SIGTERM/SIGINT")
-    serve_cmd.add_argument("--world-size", type=int, default=2)
+    serve_cmd = commands.add_parser("serve", help="serve from W local ranks until SIGTERM/SIGINT")
+    serve_cmd.add_argument("--world-size", type=int, default=None,
+                           help="ranks: default one per CUDA GPU, or 2 on the CPU")
     serve_cmd.add_argument("--port", type=int, default=8000, help="0 picks a free port")
+    serve_cmd.add_argument("--host", default="127.0.0.1", help="interface to serve HTTP on (default: loopback only)")
     serve_cmd.add_argument("--ready-file", type=Path, help="rank 0 writes {base_url, pid} here once serving")
     _server_options(serve_cmd)
 
@@ -71,21 +101,35 @@ def main(argv: list[str] | None = None) -> int:
     demo_cmd.add_argument("--timeout-s", type=float, default=900)
     _server_options(demo_cmd)
 
-    rank_cmd = commands.add_parser("rank", help="(internal) one rank; `serve` starts these")
-    rank_cmd.add_argument("--port", type=int, required=True)
+    rl_cmd = commands.add_parser("rl-demo", help="server on 2 CPU ranks + tinker-cookbook's RL loop, then stop")
+    rl_cmd.add_argument("--world-size", type=int, default=2)
+    rl_cmd.add_argument("--client-python", default=sys.executable,
+                        help="Python that has tinker-cookbook (default: this one)")
+    rl_cmd.add_argument("--timeout-s", type=float, default=900)
+    _server_options(rl_cmd)
+
+    rank_cmd = commands.add_parser("rank", help="one rank of a server: `serve` starts these; so can torchrun "
+                                   "or the deepspeed launcher (RANK, WORLD_SIZE, MASTER_ADDR/PORT from them)")
+    rank_cmd.add_argument("--port", type=int, default=8000, help="rank 0's HTTP port; 0 picks a free one")
+    rank_cmd.add_argument("--host", default="127.0.0.1", help="interface rank 0 serves HTTP on")
     rank_cmd.add_argument("--ready-file", type=Path)
     _server_options(rank_cmd)
 
+    # The deepspeed launcher passes --local_rank=N before the command (LOCAL_RANK is in the environment too).
+    parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.command == "serve":
-        return serve(args.world_size, _rank_args(args))
+        return serve(args.world_size, _rank_args(args), device=args.device)
     if args.command == "demo":
         return _demo(args)
+    if args.command == "rl-demo":
+        return _rl_demo(args)
     from .server import RankOptions, run_rank
 
     code = run_rank(RankOptions(port=args.port, zero_stage=args.zero_stage, checkpoint_root=args.checkpoint_dir,
                                 ready_file=args.ready_file, max_chunk_datums=args.max_chunk_datums,
-                                compress_fwdbwd=not args.no_compress, long_poll_s=args.long_poll_s))
+                                compress_fwdbwd=not args.no_compress, long_poll_s=args.long_poll_s,
+                                base_models=tuple(args.base_model), host=args.host, device=args.device))
     # A rank that stopped cleanly exits without interpreter teardown: C++ threads left by the libraries
     # (seen with ZeRO-3) abort the process ("terminate called without an active exception") otherwise.
     sys.stdout.flush()

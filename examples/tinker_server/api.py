@@ -19,7 +19,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, Callable
 
+import numpy as np
+
 from .model import BASE_MODELS, BaseModelSpec, LoraSpec
+from .sampling import SampleResult, SnapshotRef, encode_sample_response, parse_sample, sample_response_json
 from .scheduler import FutureStore, Scheduler
 from .wire import (PROTO_CONTENT_TYPE, FwdBwdRequest, FwdBwdResult, UserError, check_against_model,
                    encode_forward_backward_output, forward_backward_output_json, parse_forward_backward, parse_json,
@@ -67,19 +70,29 @@ class ApiSettings:
     compress_fwdbwd: bool = True
     #: How long retrieve_future holds a pending request before answering try_again.
     long_poll_s: float = 10.0
+    #: Where a byte-level tokenizer is written for clients (``get_info``'s ``tokenizer_id``); None: not offered.
+    byte_tokenizer_dir: Path | None = None
 
 
-def parse_tinker_path(path: str) -> tuple[str, str]:
-    """``tinker://<model_id>/weights/<name>`` -> (model_id, name)."""
+def parse_tinker_path(path: str, kinds: tuple[str, ...] = ("weights", )) -> tuple[str, str]:
+    """``tinker://<model_id>/weights/<name>`` -> (model_id, name); ``kinds`` also allows ``sampler_weights``."""
     parts = path[len("tinker://"):].split("/") if path.startswith("tinker://") else []
-    if len(parts) != 3 or parts[1] != "weights" or not CHECKPOINT_NAME.match(parts[2]) or not parts[0]:
+    if len(parts) != 3 or parts[1] not in kinds or not CHECKPOINT_NAME.match(parts[2]) or not parts[0]:
         raise UserError(f"not a checkpoint path of this server: {path!r} "
-                        "(expected tinker://<model_id>/weights/<name>)")
+                        f"(expected tinker://<model_id>/{'|'.join(kinds)}/<name>)")
     return parts[0], parts[2]
 
 
-def checkpoint_dir(root: Path, model_id: str, name: str) -> Path:
-    return root / model_id.replace("/", "_") / "weights" / name
+def checkpoint_dir(root: Path, model_id: str, name: str, kind: str = "weights") -> Path:
+    return root / model_id.replace("/", "_") / kind / name
+
+
+@dataclass(frozen=True)
+class SamplingSession:
+    sampling_session_id: str
+    base_model: str
+    model_path: str | None
+    snapshot: SnapshotRef
 
 
 def _adam_params(body: dict[str, Any]) -> dict[str, float]:
@@ -115,6 +128,9 @@ class TinkerApi:
         self._models: dict[str, ModelRecord] = {}
         self._creates: dict[str, str] = {}  # model_id -> the future its creation reported
         self._replies: collections.OrderedDict[str, Response] = collections.OrderedDict()
+        self._samplers: dict[str, SamplingSession] = {}
+        self._samples: dict[tuple[str, int], Response] = {}  # (sampling session, seq_id) -> first reply
+        self._rng = np.random.default_rng()
         self._posts: dict[str, Callable[[dict[str, str], bytes], Response]] = {
             "client/config": self._client_config,
             "client/dynamic_config": lambda h, b: json_response({}),
@@ -128,6 +144,9 @@ class TinkerApi:
             "optim_step": self._optim_step,
             "save_weights": self._save_weights,
             "load_weights": self._load_weights,
+            "save_weights_for_sampler": self._save_weights_for_sampler,
+            "create_sampling_session": self._create_sampling_session,
+            "asample": self._asample,
             "retrieve_future": self._retrieve_future,
         }
 
@@ -173,7 +192,15 @@ class TinkerApi:
         if route == "get_server_capabilities":
             return json_response({"supported_models": [
                 {"model_name": name, "max_context_length": spec.max_context_length, "trainable": True,
-                 "sampleable": False} for name, spec in BASE_MODELS.items()]})
+                 "sampleable": True} for name, spec in BASE_MODELS.items()]})
+        match = re.fullmatch(r"samplers/([^/]+)", route)
+        if match:
+            with self._lock:
+                sampler = self._samplers.get(match.group(1))
+            if sampler is None:
+                return error_response(404, f"unknown sampler {match.group(1)!r}")
+            return json_response({"sampler_id": sampler.sampling_session_id, "base_model": sampler.base_model,
+                                  "model_path": sampler.model_path})
         return error_response(404, f"no such endpoint {API}{route}")
 
     # ------------------------------------------------------------ session/model
@@ -266,6 +293,14 @@ class TinkerApi:
             raise UserError(f"unknown model id {model_id!r}")
         return record
 
+    def tokenizer_id(self, base_model: str) -> str | None:
+        """What the SDK's ``get_tokenizer`` loads offline: the model directory, or the byte tokenizer's."""
+        spec = BASE_MODELS[base_model]
+        if spec.path is not None:
+            return spec.path
+        directory = self.settings.byte_tokenizer_dir
+        return str(directory) if directory is not None else None
+
     def _get_info(self, headers: dict[str, str], body: bytes) -> Response:
         model_id = str(parse_json(body).get("model_id", ""))
         try:
@@ -275,7 +310,8 @@ class TinkerApi:
         return json_response({
             "type": "get_info",
             "model_id": model_id,
-            "model_data": {"arch": "llama", "model_name": record.base_model, "tokenizer_id": None},
+            "model_data": {"arch": record.spec.model_type, "model_name": record.base_model,
+                           "tokenizer_id": self.tokenizer_id(record.base_model)},
             "model_name": record.base_model,
             "is_lora": record.lora is not None,
             "lora_rank": record.lora.rank if record.lora else None,
@@ -375,6 +411,116 @@ class TinkerApi:
 
         return self._sequenced(str(request.get("model_id", "")), request.get("seq_id"), "load_weights", build)
 
+    # ------------------------------------------------------------------ sampling
+
+    def _save_weights_for_sampler(self, headers: dict[str, str], body: bytes) -> Response:
+        """Snapshot the training weights, in the model's seq order: under a name (a path for
+        ``create_sampling_client``) or, without one, as a new sampling session."""
+        request = parse_json(body)
+        model_id = str(request.get("model_id", ""))
+        snapshot_id = f"snap-{random.getrandbits(64):016x}"
+
+        def build(record: ModelRecord) -> dict[str, Any]:
+            lora = record.lora.__dict__ if record.lora else None
+            name = request.get("path")
+            if name:
+                if not CHECKPOINT_NAME.match(str(name)):
+                    raise UserError(f"sampler weights name {name!r} must match {CHECKPOINT_NAME.pattern}")
+                directory = checkpoint_dir(self.settings.checkpoint_root, model_id, str(name), "sampler_weights")
+                path = f"tinker://{model_id}/sampler_weights/{name}"
+                return {"snapshot_id": path, "dir": str(directory), "meta": {"base_model": record.base_model,
+                                                                              "lora": lora},
+                        "reply": {"path": path, "type": "save_weights_for_sampler"}}
+            seq = request.get("sampling_session_seq_id")
+            if not isinstance(seq, int):
+                raise UserError("save_weights_for_sampler needs a path (name) or a sampling_session_seq_id")
+            session_id = f"{record.session_id}:sample:{seq}"
+            self._register_sampler(SamplingSession(session_id, record.base_model, None,
+                                                   SnapshotRef(snapshot_id, record.base_model, lora)))
+            return {"snapshot_id": snapshot_id,
+                    "reply": {"sampling_session_id": session_id, "type": "save_weights_for_sampler"}}
+
+        return self._sequenced(model_id, request.get("seq_id"), "save_sampler", build)
+
+    def _register_sampler(self, session: SamplingSession) -> None:
+        with self._lock:
+            self._samplers.setdefault(session.sampling_session_id, session)
+
+    def _snapshot_for_path(self, path: str) -> tuple[str, SnapshotRef]:
+        """(base model, weights) of a ``tinker://`` path; a path this server does not have becomes a
+        reference that fails, as a user error, when sampled."""
+        try:
+            model_id, name = parse_tinker_path(path, ("sampler_weights", "weights"))
+        except UserError as e:
+            return "", SnapshotRef(path, "", error=str(e))
+        kind = path.split("/")[3]
+        directory = checkpoint_dir(self.settings.checkpoint_root, model_id, name, kind)
+        meta_file = directory / ("tinker_sampler_meta.json" if kind == "sampler_weights" else "tinker_meta.json")
+        weights = directory / ("sampler_weights.pt" if kind == "sampler_weights" else "model_weights.pt")
+        if not meta_file.is_file():
+            return "", SnapshotRef(path, "", error=f"unknown sampler path {path}: no weights saved there")
+        meta = json.loads(meta_file.read_text())
+        if meta.get("base_model") not in BASE_MODELS:
+            return "", SnapshotRef(path, "", error=f"{path} is for base model {meta.get('base_model')!r}, which this "
+                                   "server does not serve")
+        return meta["base_model"], SnapshotRef(path, meta["base_model"], meta.get("lora"), str(weights))
+
+    def _snapshot_for(self, model_path: Any, base_model: Any) -> tuple[str, SnapshotRef]:
+        if model_path:
+            return self._snapshot_for_path(str(model_path))
+        if base_model in BASE_MODELS:
+            return str(base_model), SnapshotRef(f"base:{base_model}", str(base_model))
+        return "", SnapshotRef("", "", error=f"unknown base_model {base_model!r}; this server has {sorted(BASE_MODELS)}")
+
+    def _create_sampling_session(self, headers: dict[str, str], body: bytes) -> Response:
+        request = parse_json(body)
+        session_id = str(request.get("session_id", ""))
+        with self._lock:
+            if session_id not in self._sessions:
+                raise UserError(f"unknown session {session_id!r}")
+        sampler_id = f"{session_id}:sample:{int(request.get('sampling_session_seq_id', 0))}"
+        base_model, snapshot = self._snapshot_for(request.get("model_path"), request.get("base_model"))
+        self._register_sampler(SamplingSession(sampler_id, base_model or str(request.get("base_model") or ""),
+                                               request.get("model_path"), snapshot))
+        return json_response({"type": "create_sampling_session", "sampling_session_id": sampler_id})
+
+    def _asample(self, headers: dict[str, str], body: bytes) -> Response:
+        """Queue a sample; a retried ``(sampling_session_id, seq_id)`` gets its first reply."""
+        request = parse_json(body)
+        sampler_id = request.get("sampling_session_id")
+        num = request.get("num_samples", 1)
+        key = (str(sampler_id), request.get("seq_id")) if sampler_id is not None else None
+        with self._lock:
+            if key is not None and key in self._samples:
+                return self._samples[key]
+            sampler = self._samplers.get(str(sampler_id)) if sampler_id is not None else None
+        sequence_ids = [f"{sampler_id}:{request.get('seq_id')}:{i}" for i in range(num if isinstance(num, int)
+                                                                                  and 0 < num <= 256 else 1)]
+        try:
+            if sampler_id is not None and sampler is None:
+                raise UserError(f"unknown sampling session {sampler_id!r}")
+            if sampler is not None:
+                base_model, snapshot = sampler.base_model, sampler.snapshot
+            else:
+                base_model, snapshot = self._snapshot_for(request.get("model_path"), request.get("base_model"))
+            spec = BASE_MODELS.get(base_model)
+            if spec is None:
+                raise UserError(snapshot.error or f"unknown base_model {base_model!r}")
+            job = parse_sample(request, snapshot, spec.vocab_size, spec.max_context_length, spec.eos_token_ids,
+                               self._rng)
+            request_id = self.scheduler.submit("sample", str(sampler_id or base_model), job)
+        except UserError as e:
+            future = self.futures.create()
+            self.futures.fail(future.request_id, str(e), "user")
+            request_id = future.request_id
+        response = json_response({"request_id": request_id, "sample_sequence_ids": sequence_ids})
+        if key is not None:
+            with self._lock:
+                response = self._samples.setdefault(key, response)
+                while len(self._samples) > 100_000:
+                    self._samples.pop(next(iter(self._samples)))
+        return response
+
     # ------------------------------------------------------------------- futures
 
     def _retrieve_future(self, headers: dict[str, str], body: bytes) -> Response:
@@ -387,6 +533,10 @@ class TinkerApi:
         if future.status == "error":
             return json_response({"error": future.error, "category": future.category})
         result = future.result
+        if isinstance(result, SampleResult):
+            if PROTO_CONTENT_TYPE in headers.get("accept", ""):
+                return Response(200, encode_sample_response(result), PROTO_CONTENT_TYPE)
+            return json_response(sample_response_json(result))
         if isinstance(result, FwdBwdResult):
             if PROTO_CONTENT_TYPE in headers.get("accept", ""):
                 return Response(200, encode_forward_backward_output(result), PROTO_CONTENT_TYPE)
@@ -420,10 +570,10 @@ class _Handler(BaseHTTPRequestHandler):
         pass
 
 
-def start_http(api: TinkerApi, port: int) -> ThreadingHTTPServer:
-    """Serve ``api`` on 127.0.0.1 (loopback only) from a background thread."""
+def start_http(api: TinkerApi, port: int, host: str = "127.0.0.1") -> ThreadingHTTPServer:
+    """Serve ``api`` on ``host`` (loopback by default: there is no authentication) from a background thread."""
     handler = type("TinkerHandler", (_Handler, ), {"api": api})
-    server = ThreadingHTTPServer(("127.0.0.1", port), handler)
+    server = ThreadingHTTPServer((host, port), handler)
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, name="tinker-http", daemon=True).start()
     return server

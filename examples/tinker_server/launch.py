@@ -1,8 +1,10 @@
-"""Start the W rank processes of a server, and start/stop a whole server by PID.
+"""Start the W rank processes of a server on this machine, and start/stop a whole server by PID.
 
-No launcher dependency: each rank gets the environment torch.distributed and DeepSpeed read
-(RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_SIZE, MASTER_ADDR, MASTER_PORT; DS_ACCELERATOR=cpu without
-GPUs, since DeepSpeed's CPU accelerator reports its device count from LOCAL_SIZE).
+The quick start, with no launcher dependency: each rank gets the environment torch.distributed
+and DeepSpeed read (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_SIZE, MASTER_ADDR, MASTER_PORT; on the CPU
+DS_ACCELERATOR=cpu, since DeepSpeed's CPU accelerator reports its device count from LOCAL_SIZE).
+With CUDA GPUs it starts one rank per GPU. ``torchrun`` and ``deepspeed`` start the same ranks
+across nodes (docs/tinker-server.md).
 """
 
 from __future__ import annotations
@@ -26,7 +28,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def rank_env(rank: int, world_size: int, master_port: int) -> dict[str, str]:
+def cuda_device_count() -> int:
+    """GPUs this machine offers torch (0 without CUDA)."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def rank_env(rank: int, world_size: int, master_port: int, cpu: bool = True) -> dict[str, str]:
     env = dict(os.environ)
     env.update({
         "RANK": str(rank),
@@ -39,22 +48,35 @@ def rank_env(rank: int, world_size: int, master_port: int) -> dict[str, str]:
         "PYTHONUNBUFFERED": "1",
         "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])),
     })
-    env.setdefault("DS_ACCELERATOR", "cpu")
+    if cpu:
+        env.setdefault("DS_ACCELERATOR", "cpu")
     env.setdefault("HF_HUB_OFFLINE", "1")  # models come from local configs; never reach for a hub
     # W ranks on few cores: share the cores instead of each rank starting one thread per core.
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world_size)))
     return env
 
 
-def serve(world_size: int, rank_args: list[str], grace_s: float = 90.0) -> int:
+def serve(world_size: int | None, rank_args: list[str], grace_s: float = 90.0, device: str = "auto") -> int:
     """Run ``world_size`` ranks until they exit; SIGTERM/SIGINT stop them through rank 0.
 
-    Rank 0 then finishes the job in hand, tells the other ranks to stop, and everyone exits 0.
-    A rank that dies takes the others down with it (they would wait on it forever).
+    Without ``world_size``: one rank per CUDA GPU, or 2 CPU ranks where there is none (or with
+    ``device="cpu"``). Rank 0 finishes the job in hand, tells the other ranks to stop, and everyone
+    exits 0. A rank that dies takes the others down with it (they would wait on it forever).
     """
+    gpus = 0 if device == "cpu" else cuda_device_count()
+    if device == "cuda" and not gpus:
+        print("[tinker-server] --device cuda, but torch sees no CUDA device", file=sys.stderr)
+        return 2
+    if world_size is None:
+        world_size = gpus or 2
+    elif gpus and world_size > gpus:
+        print(f"[tinker-server] {world_size} ranks but {gpus} GPUs: one rank per GPU (pass --device cpu for CPU "
+              "ranks)", file=sys.stderr)
+        return 2
     master_port = free_port()
     command = [sys.executable, "-m", "examples.tinker_server", "rank", *rank_args]
-    ranks = [subprocess.Popen(command, env=rank_env(r, world_size, master_port), cwd=ROOT) for r in range(world_size)]
+    ranks = [subprocess.Popen(command, env=rank_env(r, world_size, master_port, cpu=not gpus), cwd=ROOT)
+             for r in range(world_size)]
     stop_requested: list[float] = []
 
     def request_stop(*_: object) -> None:

@@ -1,13 +1,17 @@
-"""The models this server trains, and the one loss it computes.
+"""The models this server trains: built-in byte-level Llamas and local Hugging Face models.
 
-Models are built from local configs only (no hub download), so the server and a test's plain
-PyTorch replay construct bit-identical initial weights from the same name and seed. Tokens are
-bytes: token id == byte value, so any client can encode text without a tokenizer.
+Nothing is downloaded. The built-in models are built from local configs, so the server and a
+test's plain PyTorch replay construct bit-identical initial weights from the same name and seed;
+their tokens are bytes (token id == byte value). ``serve --base-model PATH`` adds a causal LM saved
+with ``save_pretrained`` (any architecture ``AutoModelForCausalLM`` loads), named by its absolute
+path, with its tokenizer from the same directory.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -27,6 +31,12 @@ class BaseModelSpec:
     num_heads: int
     num_kv_heads: int
     max_context_length: int
+    #: A local model directory (weights, config, tokenizer); None for the built-in byte models.
+    path: str | None = None
+    #: What generation stops on when the client gives no stop condition (the model's EOS).
+    eos_token_ids: tuple[int, ...] = ()
+    #: The ``transformers`` architecture family, reported by ``get_info``.
+    model_type: str = "llama"
 
 
 BASE_MODELS: dict[str, BaseModelSpec] = {
@@ -60,14 +70,44 @@ class LoraSpec:
         return names
 
 
+def register_local_model(path: str | os.PathLike[str]) -> BaseModelSpec:
+    """Make a local Hugging Face causal LM servable under its absolute path (every rank calls this)."""
+    from transformers import AutoConfig
+
+    directory = Path(path).expanduser().resolve()
+    if not (directory / "config.json").is_file():
+        raise ValueError(f"--base-model {path}: no config.json there (save the model with save_pretrained)")
+    config = AutoConfig.from_pretrained(str(directory))
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    context = next((getattr(text, a) for a in ("max_position_embeddings", "n_positions", "max_sequence_length")
+                    if getattr(text, a, None)), 2048)
+    eos = getattr(text, "eos_token_id", None)
+    eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos), ))
+    spec = BaseModelSpec(str(directory), int(text.vocab_size), int(getattr(text, "hidden_size", 0) or 0), 0,
+                         int(getattr(text, "num_hidden_layers", 0) or 0), 0, 0, int(context), path=str(directory),
+                         eos_token_ids=eos_ids, model_type=str(config.model_type))
+    BASE_MODELS[spec.name] = spec
+    return spec
+
+
+def _lora_targets(model: torch.nn.Module, lora: LoraSpec) -> list[str] | None:
+    """Llama-style module names the architecture has; None lets PEFT pick its default for the architecture."""
+    present = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+    wanted = [n for n in lora.target_modules() if n in present]
+    return wanted or None
+
+
 def build_model(base_model: str, lora: LoraSpec | None) -> torch.nn.Module:
-    """Construct the fp32 model: base weights from ``BASE_SEED``, adapters from ``lora.seed``.
+    """Construct the fp32 model: base weights from ``BASE_SEED`` (or the local directory), adapters
+    from ``lora.seed``.
 
     With ``lora`` set only the adapter weights require grad (PEFT freezes the rest).
     """
     from transformers import LlamaConfig, LlamaForCausalLM
 
     spec = BASE_MODELS[base_model]
+    if spec.path is not None:
+        return _build_local(spec, lora)
     config = LlamaConfig(
         vocab_size=spec.vocab_size,
         hidden_size=spec.hidden_size,
@@ -89,6 +129,21 @@ def build_model(base_model: str, lora: LoraSpec | None) -> torch.nn.Module:
         torch.manual_seed(lora.seed)
         adapters = peft.LoraConfig(r=lora.rank, lora_alpha=lora.rank, lora_dropout=0.0,
                                    target_modules=lora.target_modules())
+        return peft.get_peft_model(model, adapters)
+
+
+def _build_local(spec: BaseModelSpec, lora: LoraSpec | None) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(spec.path, dtype=torch.float32, attn_implementation="eager")
+    if lora is None:
+        return model
+    import peft
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(lora.seed)
+        adapters = peft.LoraConfig(r=lora.rank, lora_alpha=lora.rank, lora_dropout=0.0,
+                                   target_modules=_lora_targets(model, lora))
         return peft.get_peft_model(model, adapters)
 
 

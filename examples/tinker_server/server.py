@@ -1,8 +1,14 @@
-"""One rank of the server. Rank 0 serves HTTP and drives; every rank trains.
+"""One rank of the server. Rank 0 serves HTTP and drives; every rank trains and samples.
 
 Rank 0 takes jobs from the scheduler in order, broadcasts each to all ranks, runs its own share
 and gathers the others' parts. The other ranks only follow that broadcast, so every rank sees the
 same commands in the same order and DeepSpeed's collectives line up.
+
+A rank reads only the standard launcher environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
+MASTER_PORT), so the same entry point runs under this package's own launcher, ``torchrun`` and
+DeepSpeed's ``deepspeed`` launcher, on one node or several. With CUDA GPUs (and ``--device``
+``auto`` or ``cuda``) each rank takes the GPU of its LOCAL_RANK and the ranks talk NCCL; otherwise
+gloo on the CPU.
 """
 
 from __future__ import annotations
@@ -21,6 +27,8 @@ import torch
 import torch.distributed as dist
 
 from .api import ApiSettings, TinkerApi, start_http
+from .byte_tokenizer import write_byte_tokenizer
+from .model import register_local_model
 from .scheduler import FutureStore, Job, Scheduler
 from .wire import UserError
 from .worker import Worker, merge
@@ -37,6 +45,12 @@ class RankOptions:
     max_chunk_datums: int
     compress_fwdbwd: bool
     long_poll_s: float
+    #: Local Hugging Face model directories to serve besides the built-in byte-level models.
+    base_models: tuple[str, ...] = ()
+    #: Interface rank 0's HTTP server binds (loopback unless told otherwise).
+    host: str = "127.0.0.1"
+    #: ``auto`` (CUDA when there are GPUs), ``cuda`` or ``cpu``.
+    device: str = "auto"
 
 
 def versions_line() -> str:
@@ -75,14 +89,16 @@ def _drive(worker: Worker, options: RankOptions) -> None:
     """Rank 0: serve HTTP, execute jobs in order until SIGTERM/SIGINT, then stop the followers."""
     futures = FutureStore()
     scheduler = Scheduler(futures)
+    tokenizer_dir = write_byte_tokenizer(options.checkpoint_root / "tokenizers" / "byte-level")
     api = TinkerApi(scheduler, ApiSettings(options.checkpoint_root, options.max_chunk_datums, options.compress_fwdbwd,
-                                           options.long_poll_s))
-    http = start_http(api, options.port)
+                                           options.long_poll_s, tokenizer_dir.resolve()))
+    http = start_http(api, options.port, options.host)
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: scheduler.stop())
-    base_url = f"http://127.0.0.1:{http.server_address[1]}"
+    host = "127.0.0.1" if options.host in ("", "0.0.0.0") else options.host
+    base_url = f"http://{host}:{http.server_address[1]}"
     print(f"[tinker-server] {versions_line()}", flush=True)
-    print(f"[tinker-server] {worker.world_size} ranks, ZeRO stage {worker.zero_stage}, "
+    print(f"[tinker-server] {worker.world_size} ranks on {worker.device.type}, ZeRO stage {worker.zero_stage}, "
           f"serving {base_url} (pid {os.getpid()})", flush=True)
     if options.ready_file is not None:
         tmp = options.ready_file.with_suffix(".tmp")
@@ -108,7 +124,10 @@ def _drive(worker: Worker, options: RankOptions) -> None:
 
 def _follow(worker: Worker) -> None:
     """Ranks > 0: run whatever rank 0 broadcasts until it broadcasts None."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C reaches rank 0, which stops us
+    # A terminal's Ctrl-C, or a launcher's SIGTERM to every rank (torchrun, deepspeed), reaches rank 0 too,
+    # which finishes its job and then stops us: dying here would strand rank 0 in a collective.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     while True:
         command: list[Any] = [None]
         dist.broadcast_object_list(command, src=0)
@@ -117,12 +136,32 @@ def _follow(worker: Worker) -> None:
         dist.gather_object(_run_safely(worker, *command[0]), None, dst=0)
 
 
+def backend_and_device(choice: str) -> tuple[str, torch.device]:
+    """NCCL and this rank's GPU (LOCAL_RANK) when CUDA is there and wanted, else gloo on the CPU.
+
+    Must run before DeepSpeed is imported: on the CPU it selects DeepSpeed's CPU accelerator, whose
+    device count comes from LOCAL_SIZE (torchrun and the deepspeed launcher set LOCAL_WORLD_SIZE).
+    """
+    if choice == "cuda" or (choice == "auto" and torch.cuda.is_available() and torch.cuda.device_count() > 0):
+        if not torch.cuda.is_available():
+            raise RuntimeError("--device cuda, but torch sees no CUDA device")
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local_rank)
+        return "nccl", torch.device("cuda", local_rank)
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    os.environ.setdefault("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    return "gloo", torch.device("cpu")
+
+
 def run_rank(options: RankOptions) -> int:
-    """Entry point of one rank process; the launcher sets RANK, WORLD_SIZE and MASTER_* ."""
+    """Entry point of one rank process; the launcher sets RANK, WORLD_SIZE, LOCAL_RANK and MASTER_* ."""
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     warnings.filterwarnings("ignore", category=FutureWarning)  # libraries' deprecation notices, not ours
+    backend, device = backend_and_device(options.device)
+    for path in options.base_models:
+        register_local_model(path)
     # Ranks > 0 wait in a broadcast while the server is idle: give that wait a day, not 30 minutes.
-    dist.init_process_group("gloo", timeout=timedelta(days=1))
+    dist.init_process_group(backend, timeout=timedelta(days=1))
     import deepspeed
     from deepspeed.utils import logger as ds_logger
 
@@ -130,8 +169,8 @@ def run_rank(options: RankOptions) -> int:
     # DeepSpeed's CPU shared-memory all-reduce op serves inference only and never unlinks its 64 MiB
     # /dev/shm buffer per rank: keep it out of these gloo ranks.
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    deepspeed.init_distributed(dist_backend="gloo")
-    worker = Worker(dist.get_rank(), dist.get_world_size(), options.zero_stage)
+    deepspeed.init_distributed(dist_backend=backend)
+    worker = Worker(dist.get_rank(), dist.get_world_size(), options.zero_stage, device)
     try:
         if worker.rank == 0:
             _drive(worker, options)

@@ -8,13 +8,28 @@ it can be tested without DeepSpeed or a network.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-#: The only loss this server computes: ``sum(-logprob[target] * weight)`` over tokens.
-SUPPORTED_LOSS_FNS = ("cross_entropy", )
+#: The built-in losses, each a SUM over tokens (see ``losses.py`` for the formulas), and the
+#: ``loss_fn_inputs`` each takes (required, optional).
+LOSS_INPUTS: dict[str, tuple[frozenset[str], frozenset[str]]] = {
+    "cross_entropy": (frozenset({"target_tokens"}), frozenset({"weights"})),
+    "importance_sampling": (frozenset({"target_tokens", "logprobs", "advantages"}), frozenset()),
+    "ppo": (frozenset({"target_tokens", "logprobs", "advantages"}), frozenset()),
+    "cispo": (frozenset({"target_tokens", "logprobs", "advantages"}), frozenset()),
+}
+SUPPORTED_LOSS_FNS = tuple(LOSS_INPUTS)
+
+#: ``loss_fn_config`` keys each loss accepts, with Tinker's defaults (ratio thresholds, not epsilons).
+LOSS_CONFIG_DEFAULTS: dict[str, dict[str, float]] = {
+    "cross_entropy": {},
+    "importance_sampling": {},
+    "ppo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
+    "cispo": {"clip_low_threshold": 0.0, "clip_high_threshold": 4.0},
+}
 
 PROTO_CONTENT_TYPE = "application/x-protobuf"
 
@@ -25,11 +40,17 @@ class UserError(Exception):
 
 @dataclass(frozen=True)
 class Datum:
-    """One training example, flattened: token ``t`` is scored against ``targets[t]``."""
+    """One training example, flattened: token ``t`` is scored against ``targets[t]``.
+
+    ``weights`` is for ``cross_entropy``; the RL losses read the sampler's ``sampling_logprobs``
+    and the ``advantages`` instead (their ``weights`` are ones, unused).
+    """
 
     tokens: np.ndarray  # int64 [L]
     targets: np.ndarray  # int64 [L]
     weights: np.ndarray  # float32 [L]
+    sampling_logprobs: np.ndarray | None = None  # float32 [L]
+    advantages: np.ndarray | None = None  # float32 [L]
 
 
 @dataclass(frozen=True)
@@ -41,6 +62,8 @@ class FwdBwdRequest:
     loss_fn: str
     forward_only: bool
     data: tuple[Datum, ...]
+    #: The loss's clip settings, defaults filled in (empty for losses without any).
+    loss_config: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -95,7 +118,14 @@ def _tensor(msg: Any, name: str) -> np.ndarray:
     return array
 
 
-def _datum(msg: Any, index: int) -> Datum:
+def _float_input(inputs: dict[str, Any], name: str, index: int) -> np.ndarray:
+    values = _tensor(inputs[name], name).astype(np.float32)
+    if not np.all(np.isfinite(values)):
+        raise UserError(f"data[{index}]: {name} must be finite")
+    return values
+
+
+def _datum(msg: Any, index: int, loss_fn: str = "cross_entropy") -> Datum:
     pieces = []
     for chunk in msg.model_input:
         kind = chunk.WhichOneof("chunk")
@@ -107,24 +137,53 @@ def _datum(msg: Any, index: int) -> Datum:
         pieces.append(np.frombuffer(raw, dtype=np.int32))
     tokens = np.concatenate(pieces).astype(np.int64) if pieces else np.zeros(0, np.int64)
     inputs = dict(msg.loss_fn_inputs)
-    unknown = sorted(set(inputs) - {"target_tokens", "weights"})
+    required, optional = LOSS_INPUTS[loss_fn]
+    unknown = sorted(set(inputs) - required - optional)
     if unknown:
-        raise UserError(f"data[{index}]: cross_entropy takes target_tokens and weights, not {unknown}")
-    if "target_tokens" not in inputs:
-        raise UserError(f"data[{index}]: loss_fn_inputs needs target_tokens")
+        raise UserError(f"data[{index}]: {loss_fn} takes {sorted(required | optional)}, not {unknown}")
+    missing = sorted(required - set(inputs))
+    if missing:
+        raise UserError(f"data[{index}]: {loss_fn} needs loss_fn_inputs {missing}")
     targets = _tensor(inputs["target_tokens"], "target_tokens")
     if targets.dtype == np.float32:
         raise UserError(f"data[{index}]: target_tokens must be integers")
-    weights = (_tensor(inputs["weights"], "weights").astype(np.float32)
+    weights = (_float_input(inputs, "weights", index)
                if "weights" in inputs else np.ones(len(targets), np.float32))
-    if not (len(tokens) == len(targets) == len(weights)):
-        raise UserError(f"data[{index}]: lengths disagree: {len(tokens)} input tokens, "
-                        f"{len(targets)} target_tokens, {len(weights)} weights")
+    sampling_logprobs = _float_input(inputs, "logprobs", index) if "logprobs" in inputs else None
+    advantages = _float_input(inputs, "advantages", index) if "advantages" in inputs else None
+    lengths = {"input tokens": len(tokens), "target_tokens": len(targets), "weights": len(weights)}
+    if sampling_logprobs is not None:
+        lengths["logprobs"] = len(sampling_logprobs)
+    if advantages is not None:
+        lengths["advantages"] = len(advantages)
+    if len(set(lengths.values())) != 1:
+        raise UserError(f"data[{index}]: lengths disagree: " + ", ".join(f"{n} {k}" for k, n in lengths.items()))
     if len(tokens) == 0:
         raise UserError(f"data[{index}]: empty model_input")
-    if not np.all(np.isfinite(weights)):
-        raise UserError(f"data[{index}]: weights must be finite")
-    return Datum(tokens, targets.astype(np.int64), weights)
+    return Datum(tokens, targets.astype(np.int64), weights, sampling_logprobs, advantages)
+
+
+def loss_config(msg: Any) -> dict[str, float]:
+    """The request's ``loss_fn_config`` for its loss, defaults filled in; unknown keys are refused."""
+    raw: dict[str, float] = {}
+    for key, value in msg.loss_fn_config_v2.items():
+        if value.WhichOneof("value") != "number":
+            raise UserError(f"loss_fn_config[{key!r}] must be a number")
+        raw[key] = float(value.number)
+    for key, value in msg.loss_fn_config.items():  # the older map the SDK still fills
+        raw.setdefault(key, float(value))
+    defaults = LOSS_CONFIG_DEFAULTS[msg.loss_fn]
+    unknown = sorted(set(raw) - set(defaults))
+    if unknown:
+        accepted = sorted(defaults) or "no keys"
+        raise UserError(f"loss_fn_config {unknown} is not accepted by {msg.loss_fn} (it takes {accepted})")
+    config = {**defaults, **raw}
+    if not all(np.isfinite(v) for v in config.values()):
+        raise UserError("loss_fn_config values must be finite")
+    if config and not 0 <= config["clip_low_threshold"] <= config["clip_high_threshold"]:
+        raise UserError("loss_fn_config: need 0 <= clip_low_threshold <= clip_high_threshold, got "
+                        f"{config['clip_low_threshold']} and {config['clip_high_threshold']}")
+    return config
 
 
 def parse_forward_backward(body: bytes, content_type: str | None, content_encoding: str | None) -> Any:
@@ -147,8 +206,10 @@ def validate_forward_backward(msg: Any, forward_only: bool = False) -> FwdBwdReq
         raise UserError(f"unsupported loss function {msg.loss_fn!r}; this server supports {list(SUPPORTED_LOSS_FNS)}")
     if len(msg.data) == 0:
         raise UserError("forward_backward needs at least one datum")
-    data = tuple(_datum(datum, i) for i, datum in enumerate(msg.data))
-    return FwdBwdRequest(msg.model_id, int(msg.seq_id), msg.loss_fn, forward_only or bool(msg.forward_only), data)
+    config = loss_config(msg)
+    data = tuple(_datum(datum, i, msg.loss_fn) for i, datum in enumerate(msg.data))
+    return FwdBwdRequest(msg.model_id, int(msg.seq_id), msg.loss_fn, forward_only or bool(msg.forward_only), data,
+                         config)
 
 
 def decode_forward_backward(body: bytes, content_type: str | None, content_encoding: str | None) -> FwdBwdRequest:

@@ -19,7 +19,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from .model import build_model, cross_entropy_sum, token_logprobs
+from .losses import LossInputs, elementwise_loss
+from .model import build_model, token_logprobs
+from .sampler import SamplerPool, capture_weights, merge_samples
+from .sampling import SampleJob
 from .wire import Datum, FwdBwdRequest, UserError
 
 CHECKPOINT_TAG = "state"
@@ -81,24 +84,45 @@ def share(n: int, rank: int, world_size: int) -> range:
     return range(start, start + base + (1 if rank < extra else 0))
 
 
-def pad_batch(data: list[Datum]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-padded (tokens, targets, weights); padding has weight 0 so it adds nothing."""
+def pad_inputs(data: list[Datum]) -> tuple[torch.Tensor, LossInputs]:
+    """Right-padded tokens and loss inputs; padding has mask 0, so it adds nothing to any loss."""
     if not data:  # an idle rank still runs a forward: ZeRO-3 gathers parameters collectively
-        return torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, 1)
+        zeros = torch.zeros(1, 1)
+        return torch.zeros(1, 1, dtype=torch.long), LossInputs(torch.zeros(1, 1, dtype=torch.long), zeros, zeros,
+                                                               zeros, zeros)
     length = max(len(d.tokens) for d in data)
     tokens = torch.zeros(len(data), length, dtype=torch.long)
     targets = torch.zeros(len(data), length, dtype=torch.long)
-    weights = torch.zeros(len(data), length)
+    weights, sampling, advantages, mask = (torch.zeros(len(data), length) for _ in range(4))
     for i, d in enumerate(data):
-        tokens[i, :len(d.tokens)] = torch.from_numpy(d.tokens)
-        targets[i, :len(d.targets)] = torch.from_numpy(d.targets)
-        weights[i, :len(d.weights)] = torch.from_numpy(d.weights)
-    return tokens, targets, weights
+        n = len(d.tokens)
+        tokens[i, :n] = torch.from_numpy(d.tokens)
+        targets[i, :n] = torch.from_numpy(d.targets)
+        weights[i, :n] = torch.from_numpy(d.weights)
+        mask[i, :n] = 1.0
+        if d.sampling_logprobs is not None:
+            sampling[i, :n] = torch.from_numpy(d.sampling_logprobs)
+        if d.advantages is not None:
+            advantages[i, :n] = torch.from_numpy(d.advantages)
+    return tokens, LossInputs(targets, weights, sampling, advantages, mask)
+
+
+def pad_batch(data: list[Datum]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded (tokens, targets, weights); padding has weight 0 so it adds nothing."""
+    tokens, inputs = pad_inputs(data)
+    return tokens, inputs.targets, inputs.weights
+
+
+def _to(inputs: LossInputs, device: torch.device) -> LossInputs:
+    return LossInputs(*(t.to(device) for t in (inputs.targets, inputs.weights, inputs.sampling_logprobs,
+                                                inputs.advantages, inputs.mask)))
 
 
 @dataclass
 class TrainingModel:
     engine: Any
+    lora: Any = None  # the LoraSpec, or None for full fine-tuning
+    base_model: str = ""
     requests: int = 0  # forward_backward requests accumulated since the last step
     datums: int = 0
     steps: int = 0
@@ -107,15 +131,19 @@ class TrainingModel:
 class Worker:
     """Executes commands on this rank; returns this rank's part of the result."""
 
-    def __init__(self, rank: int, world_size: int, zero_stage: int) -> None:
+    def __init__(self, rank: int, world_size: int, zero_stage: int, device: torch.device | None = None) -> None:
         self.rank = rank
         self.world_size = world_size
         self.zero_stage = zero_stage
+        self.device = device or torch.device("cpu")
         self.models: dict[str, TrainingModel] = {}
+        self.samplers = SamplerPool(self.device)
 
     def run(self, kind: str, model_id: str, payload: Any) -> Any:
         if kind == "create":
             return self._create(model_id, payload)
+        if kind == "sample":
+            return self._sample(payload)
         if kind == "unload":
             self.models.pop(model_id, None)
             gc.collect()
@@ -131,6 +159,8 @@ class Worker:
             return self._save(model, payload)
         if kind == "load_weights":
             return self._load(model, payload)
+        if kind == "save_sampler":
+            return self._save_sampler(model, payload)
         raise RuntimeError(f"unknown command {kind!r}")
 
     def prepare_save(self, model_id: str, job: dict[str, Any]) -> None:
@@ -153,24 +183,23 @@ class Worker:
                                                config=ds_config(self.zero_stage))
         if getattr(engine, "managed_gradient_accumulation", lambda: True)():
             raise RuntimeError("this DeepSpeed does not run in unmanaged mode; install the patch series")
-        self.models[model_id] = TrainingModel(engine)
+        self.models[model_id] = TrainingModel(engine, record.lora, record.base_model)
         return {"model_id": model_id, "type": "create_model"}
 
     def _forward_backward(self, model: TrainingModel, request: FwdBwdRequest) -> list[tuple[np.ndarray, np.ndarray]]:
         mine = [request.data[i] for i in share(len(request.data), self.rank, self.world_size)]
-        tokens, targets, weights = pad_batch(mine)
+        tokens, inputs = pad_inputs(mine)
+        tokens, inputs = tokens.to(self.device), _to(inputs, self.device)
         engine = model.engine
-        if request.forward_only:
-            with torch.no_grad():
-                logprobs = token_logprobs(engine, tokens, targets)
-        else:
-            logprobs = token_logprobs(engine, tokens, targets)
+        with torch.set_grad_enabled(not request.forward_only):
+            logprobs = token_logprobs(engine, tokens, inputs.targets)
+            losses = elementwise_loss(request.loss_fn, logprobs, inputs, request.loss_config)
+        if not request.forward_only:
             multiplier, _ = sum_over_ranks(engine)
-            engine.backward(cross_entropy_sum(logprobs, weights) * multiplier, scale_wrt_gas=False)
+            engine.backward(losses.sum() * multiplier, scale_wrt_gas=False)
             model.requests += 1
             model.datums += len(request.data)
-        logprobs = logprobs.detach()
-        losses = -logprobs * weights
+        logprobs, losses = logprobs.detach().float().cpu(), losses.detach().float().cpu()
         return [(logprobs[i, :len(d.tokens)].numpy().copy(), losses[i, :len(d.tokens)].numpy().copy())
                 for i, d in enumerate(mine)]
 
@@ -217,8 +246,22 @@ class Worker:
         return {"path": job["path"], "type": "load_weights"}
 
 
+    def _save_sampler(self, model: TrainingModel, job: dict[str, Any]) -> dict[str, Any]:
+        """Snapshot the current weights for sampling (a collective under ZeRO-3); rank 0 writes a named one."""
+        weights = capture_weights(model.engine, self.zero_stage, trainable_only=model.lora is not None)
+        self.samplers.keep(job["snapshot_id"], weights)
+        if job.get("dir") and self.rank == 0:
+            self.samplers.save(Path(job["dir"]), weights, job["meta"])
+        return job["reply"]
+
+    def _sample(self, job: SampleJob) -> dict[str, Any]:
+        return self.samplers.sample(job, share(job.num_samples, self.rank, self.world_size), self.rank == 0)
+
+
 def merge(kind: str, parts: list[Any]) -> Any:
-    """Rank 0: one result from every rank's part (datum shares concatenate in rank order)."""
+    """Rank 0: one result from every rank's part (datum and sample shares concatenate in rank order)."""
+    if kind == "sample":
+        return merge_samples(parts)
     if kind in ("forward_backward", "forward"):
         from .wire import FwdBwdResult
 

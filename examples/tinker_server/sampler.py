@@ -1,0 +1,255 @@
+"""Sampling on every rank, from snapshots of the training weights, never through the engine.
+
+``save_weights_for_sampler`` copies the trainable weights out of the DeepSpeed engine (gathered
+under ZeRO-3, a collective every rank joins) into a CPU snapshot; sampling loads a snapshot into a
+plain PyTorch copy of the architecture and generates there. The engine, its gradients and its
+ZeRO state are never touched by a sample, so sampling in the middle of an accumulation changes
+nothing in that step, and a sampler sees exactly the weights of the last ``optim_step`` before
+the snapshot.
+
+Reported logprobs come from one full forward over prompt + completion with the same
+``token_logprobs`` the training side uses (not from the incremental decoding pass), so they
+equal a training ``forward`` on the same tokens up to float rounding. They are the model's own
+logprobs, independent of temperature, top-k and top-p.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from .model import BASE_MODELS, LoraSpec, build_model, token_logprobs
+from .sampling import SampledSequence, SampleJob, SampleResult, SnapshotRef
+from .wire import UserError
+
+SAMPLER_WEIGHTS_FILE = "sampler_weights.pt"
+SAMPLER_META_FILE = "tinker_sampler_meta.json"
+#: Unnamed snapshots (``save_weights_and_get_sampling_client``) kept in memory on every rank.
+MAX_SNAPSHOTS = 8
+
+
+def capture_weights(engine: Any, zero_stage: int, trainable_only: bool) -> dict[str, torch.Tensor]:
+    """CPU copies of the engine's (trainable) parameters, whole even under ZeRO-3.
+
+    Every rank must call this together under ZeRO-3 (the gather is a collective).
+    """
+    named = [(n, p) for n, p in engine.module.named_parameters() if p.requires_grad or not trainable_only]
+    if zero_stage == 3:
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters([p for _, p in named], modifier_rank=None):
+            return {n: p.detach().to("cpu", copy=True) for n, p in named}
+    return {n: p.detach().to("cpu", copy=True) for n, p in named}
+
+
+def _decoder(base_model: str) -> Callable[[list[int]], str]:
+    spec = BASE_MODELS[base_model]
+    if spec.path is None:
+        return lambda ids: bytes(ids).decode("utf-8", errors="replace")
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(spec.path)
+    return lambda ids: tokenizer.decode(ids)
+
+
+class SamplerPool:
+    """This rank's snapshots and the plain modules they are loaded into."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._snapshots: collections.OrderedDict[str, dict[str, torch.Tensor]] = collections.OrderedDict()
+        self._modules: dict[str, torch.nn.Module] = {}
+        self._loaded: dict[str, str] = {}  # architecture key -> snapshot id in that module
+        self._decoders: dict[str, Callable[[list[int]], str]] = {}
+
+    # ---------------------------------------------------------------- snapshots
+
+    def keep(self, snapshot_id: str, weights: dict[str, torch.Tensor]) -> None:
+        """Hold a snapshot; one saved again under the same id (a reused name) replaces the old one."""
+        for key, loaded in self._loaded.items():
+            if loaded == snapshot_id:
+                self._loaded[key] = ""
+        self._snapshots[snapshot_id] = weights
+        self._snapshots.move_to_end(snapshot_id)
+        while len(self._snapshots) > MAX_SNAPSHOTS:
+            self._snapshots.popitem(last=False)
+
+    @staticmethod
+    def save(directory: Path, weights: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+        """Write a snapshot for ``create_sampling_client(path)``, also after a restart."""
+        directory.mkdir(parents=True, exist_ok=True)
+        torch.save(weights, directory / SAMPLER_WEIGHTS_FILE)
+        (directory / SAMPLER_META_FILE).write_text(json.dumps(meta, indent=1))  # last: marks it complete
+
+    def _weights(self, ref: SnapshotRef) -> dict[str, torch.Tensor]:
+        if ref.snapshot_id in self._snapshots:
+            self._snapshots.move_to_end(ref.snapshot_id)
+            return self._snapshots[ref.snapshot_id]
+        if ref.file is None:
+            if ref.snapshot_id.startswith("base:"):
+                return {}
+            raise UserError(f"the sampler's weights ({ref.snapshot_id}) are no longer held; this server keeps the "
+                            f"last {MAX_SNAPSHOTS} unnamed snapshots (save_weights_for_sampler(name) keeps them on disk)")
+        try:
+            weights = torch.load(ref.file, map_location="cpu", weights_only=True)
+        except (OSError, RuntimeError) as e:
+            raise UserError(f"cannot read sampler weights {ref.file}: {e}") from None
+        self.keep(ref.snapshot_id, weights)
+        return weights
+
+    def _module(self, ref: SnapshotRef) -> torch.nn.Module:
+        """The architecture with ``ref``'s weights loaded (reloaded only when another snapshot was in it)."""
+        pristine = ref.snapshot_id.startswith("base:")
+        key = json.dumps([ref.base_model, ref.lora, pristine])
+        weights = self._weights(ref)
+        module = self._modules.get(key)
+        if module is None:
+            lora = LoraSpec(**ref.lora) if ref.lora else None
+            module = build_model(ref.base_model, lora).to(self.device).eval()
+            module.requires_grad_(False)
+            self._modules[key] = module
+            self._loaded[key] = ""
+        if self._loaded[key] != ref.snapshot_id:
+            tensors = {**dict(module.named_buffers()), **dict(module.named_parameters())}
+            unknown = sorted(set(weights) - set(tensors))
+            if unknown:
+                raise UserError(f"sampler weights do not fit {ref.base_model}: unknown tensors {unknown[:3]}")
+            with torch.no_grad():
+                for name, value in weights.items():
+                    tensors[name].copy_(value)
+            self._loaded[key] = ref.snapshot_id
+        return module
+
+    def decoder(self, base_model: str) -> Callable[[list[int]], str]:
+        if base_model not in self._decoders:
+            self._decoders[base_model] = _decoder(base_model)
+        return self._decoders[base_model]
+
+    # ----------------------------------------------------------------- sampling
+
+    def sample(self, job: SampleJob, indices: range, with_prompt: bool) -> dict[str, Any]:
+        """Samples ``indices`` of ``job`` (this rank's share), and the prompt logprobs if ``with_prompt``."""
+        module = self._module(job.snapshot)
+        prompt = torch.tensor(job.prompt, dtype=torch.long, device=self.device)
+        part: dict[str, Any] = {"sequences": []}
+        if indices:
+            completions = generate(module, prompt, job, [job.seeds[i] for i in indices],
+                                   self.decoder(job.snapshot.base_model))
+            part["sequences"] = score(module, prompt, completions, job.topk_sample_logprobs)
+        if with_prompt and job.prompt_logprobs:
+            part["prompt"] = prompt_logprobs(module, prompt, job)
+        return part
+
+
+def _filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Keep the top-k tokens and the smallest nucleus of mass ``top_p``; the rest get -inf."""
+    if top_k > 0 and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        ordered, order = torch.sort(logits, dim=-1, descending=True)
+        probs = torch.softmax(ordered, dim=-1)
+        before = torch.cumsum(probs, dim=-1) - probs  # mass of the tokens ranked above each one
+        ordered = ordered.masked_fill(before >= top_p, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, ordered)
+    return logits
+
+
+@torch.no_grad()
+def generate(module: torch.nn.Module, prompt: torch.Tensor, job: SampleJob, seeds: list[int],
+             decode: Callable[[list[int]], str]) -> list[tuple[list[int], str]]:
+    """(completion tokens, stop reason) per seed; sample ``i`` depends only on its seed.
+
+    The token that completes a stop token or stop string is kept in the completion (reason
+    ``stop``); a completion that reaches ``max_tokens`` first ends with reason ``length``.
+    """
+    n = len(seeds)
+    generators = [torch.Generator(device=prompt.device).manual_seed(s) for s in seeds]
+    out = module(input_ids=prompt.unsqueeze(0).expand(n, -1), use_cache=True)
+    # transformers 5 names the KV cache ``cache``; older releases (and some architectures) ``past_key_values``.
+    cache_name = "cache" if "cache" in out else "past_key_values"
+    past, logits = out[cache_name], out.logits[:, -1].float()
+    completions: list[list[int]] = [[] for _ in range(n)]
+    reasons: list[str | None] = [None] * n
+    stop_tokens = set(job.stop_tokens)
+    for step in range(job.max_tokens):
+        if job.temperature == 0:
+            chosen = torch.argmax(logits, dim=-1)
+        else:
+            probs = torch.softmax(_filter_logits(logits / job.temperature, job.top_k, job.top_p), dim=-1)
+            chosen = torch.stack([torch.multinomial(probs[i], 1, generator=generators[i])[0] for i in range(n)])
+        for i, token in enumerate(chosen.tolist()):
+            if reasons[i] is not None:
+                continue
+            completions[i].append(token)
+            if token in stop_tokens or (job.stop_strings and any(s in decode(completions[i])
+                                                                 for s in job.stop_strings)):
+                reasons[i] = "stop"
+        if all(r is not None for r in reasons) or step + 1 == job.max_tokens:
+            break
+        out = module(input_ids=chosen.unsqueeze(1), use_cache=True, **{cache_name: past})
+        past, logits = out[cache_name], out.logits[:, -1].float()
+    return [(tokens, reason or "length") for tokens, reason in zip(completions, reasons)]
+
+
+@torch.no_grad()
+def score(module: torch.nn.Module, prompt: torch.Tensor, completions: list[tuple[list[int], str]],
+          topk: int) -> list[SampledSequence]:
+    """Each completion's logprobs from one full forward, exactly as training computes them."""
+    p = len(prompt)
+    length = p + max(len(c) for c, _ in completions) - 1
+    tokens = torch.zeros(len(completions), length, dtype=torch.long, device=prompt.device)
+    targets = torch.zeros_like(tokens)
+    for i, (completion, _) in enumerate(completions):
+        full = torch.cat([prompt, torch.tensor(completion, dtype=torch.long, device=prompt.device)])
+        tokens[i, :len(full) - 1] = full[:-1]
+        targets[i, :len(full) - 1] = full[1:]
+    logits = module(input_ids=tokens).logits.float()
+    logprobs = torch.log_softmax(logits, dim=-1)
+    chosen = logprobs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    out = []
+    for i, (completion, reason) in enumerate(completions):
+        span = slice(p - 1, p - 1 + len(completion))
+        ids = values = None
+        if topk:
+            top = torch.topk(logprobs[i, span], topk, dim=-1)
+            ids, values = top.indices.to(torch.int32).cpu().numpy(), top.values.cpu().numpy()
+        out.append(SampledSequence(np.asarray(completion, np.int32), chosen[i, span].cpu().numpy().copy(), reason,
+                                   ids, values))
+    return out
+
+
+@torch.no_grad()
+def prompt_logprobs(module: torch.nn.Module, prompt: torch.Tensor, job: SampleJob) -> dict[str, np.ndarray]:
+    """``[NaN, log p(prompt[1] | prompt[:1]), ...]``; NaN before the last ``prompt_logprobs_last_n``."""
+    p = len(prompt)
+    values = np.full(p, np.nan, np.float32)
+    result: dict[str, np.ndarray] = {}
+    if p > 1:
+        lp = token_logprobs(module, prompt[:-1].unsqueeze(0), prompt[1:].unsqueeze(0))[0].cpu().numpy()
+        values[1:] = lp
+        if job.topk_prompt_logprobs:
+            logits = module(input_ids=prompt[:-1].unsqueeze(0)).logits.float()[0]
+            top = torch.topk(torch.log_softmax(logits, dim=-1), job.topk_prompt_logprobs, dim=-1)
+            ids = np.zeros((p, job.topk_prompt_logprobs), np.int32)
+            vals = np.full((p, job.topk_prompt_logprobs), -99999.0, np.float32)  # the SDK's "nothing here"
+            ids[1:], vals[1:] = top.indices.cpu().numpy(), top.values.cpu().numpy()
+            result["topk_ids"], result["topk_logprobs"] = ids, vals
+    if job.prompt_logprobs_last_n is not None:
+        values[:p - job.prompt_logprobs_last_n] = np.nan
+    result["logprobs"] = values
+    return result
+
+
+def merge_samples(parts: list[dict[str, Any]]) -> SampleResult:
+    """Rank 0: every rank's share in rank order (so sample ``i`` stays at index ``i``)."""
+    sequences = tuple(s for part in parts for s in part["sequences"])
+    prompt = next((part["prompt"] for part in parts if "prompt" in part), None)
+    return SampleResult(sequences, None if prompt is None else prompt["logprobs"],
+                        None if prompt is None else prompt.get("topk_ids"),
+                        None if prompt is None else prompt.get("topk_logprobs"))
