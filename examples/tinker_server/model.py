@@ -90,11 +90,21 @@ def register_local_model(path: str | os.PathLike[str]) -> BaseModelSpec:
     return spec
 
 
-def _lora_targets(model: torch.nn.Module, lora: LoraSpec) -> list[str] | None:
-    """Llama-style module names the architecture has; None lets PEFT pick its default for the architecture."""
+def _lora_targets(model: torch.nn.Module, lora: LoraSpec) -> list[str]:
+    """The Llama-style module names the architecture has; for other architectures PEFT's default
+    targets for its ``model_type``. The unembedding only when it is not tied to the embedding."""
     present = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
-    wanted = [n for n in lora.target_modules() if n in present]
-    return wanted or None
+    wanted = [n for n in lora.target_modules() if n in present and n != "lm_head"]
+    if not wanted and (lora.train_attn or lora.train_mlp):
+        from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as DEFAULTS
+
+        wanted = list(DEFAULTS.get(model.config.model_type, []))
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    if lora.train_unembed and "lm_head" in present and not tied:
+        wanted.append("lm_head")
+    if not wanted:
+        raise ValueError(f"no LoRA target modules known for {model.config.model_type} with {lora}")
+    return wanted
 
 
 def build_model(base_model: str, lora: LoraSpec | None) -> torch.nn.Module:
@@ -134,7 +144,9 @@ def build_model(base_model: str, lora: LoraSpec | None) -> torch.nn.Module:
 
 def _build_local(spec: BaseModelSpec, lora: LoraSpec | None) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # one bar per model built is noise in a server log
     model = AutoModelForCausalLM.from_pretrained(spec.path, dtype=torch.float32, attn_implementation="eager")
     if lora is None:
         return model

@@ -50,13 +50,15 @@ def unmanaged_stage_supported(stage: int) -> bool:
     return True
 
 
-def start_server(tmp_dir: Path, zero_stage: int, checkpoint_dir: Path | None = None):
+def start_server(tmp_dir: Path, zero_stage: int, checkpoint_dir: Path | None = None, base_models: tuple = ()):
     """A 2-rank server on loopback with short long-polls; the caller stops it (by PID)."""
     from examples.tinker_server.launch import ServerProcess
 
+    extra = ["--max-chunk-datums", "4", "--long-poll-s", "1"]
+    for path in base_models:
+        extra += ["--base-model", str(path)]
     server = ServerProcess(world_size=2, zero_stage=zero_stage, checkpoint_dir=checkpoint_dir or tmp_dir / "ckpt",
-                           extra_args=["--max-chunk-datums", "4", "--long-poll-s", "1"],
-                           log_path=tmp_dir / f"server-zero{zero_stage}.log")
+                           extra_args=extra, log_path=tmp_dir / f"server-zero{zero_stage}.log")
     try:
         server.start(timeout_s=START_TIMEOUT_S)
     except Exception as e:
@@ -135,6 +137,44 @@ def fwdbwd_proto(model_id: str, seq_id: int, data: list, *, loss_fn: str = "cros
     return msg.SerializeToString()
 
 
+def build_tiny_hf_model(directory: Path) -> Path:
+    """A tiny GPT-2 (not a Llama: any ``AutoModelForCausalLM`` architecture is servable) saved with
+    ``save_pretrained``, with the byte-level tokenizer beside it. Nothing is downloaded."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from examples.tinker_server.byte_tokenizer import write_byte_tokenizer
+
+    if not (directory / "config.json").is_file():
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            model = GPT2LMHeadModel(GPT2Config(vocab_size=256, n_positions=96, n_embd=32, n_layer=2, n_head=2,
+                                               bos_token_id=None, eos_token_id=None))
+        model.save_pretrained(str(directory))
+        write_byte_tokenizer(directory)
+    return directory.resolve()
+
+
+def reference_elementwise_loss(loss_fn: str, logprobs: torch.Tensor, datum: dict[str, Any],
+                               config: dict[str, float] | None = None) -> torch.Tensor:
+    """Tinker's loss formulas, written out plainly on one unpadded datum (independently of the server's
+    ``losses`` module): the server's ``loss:sum`` and gradients must match these."""
+    config = config or {}
+    if loss_fn == "cross_entropy":
+        return -logprobs * torch.tensor(datum["weights"], dtype=torch.float32)
+    sampling = torch.tensor(datum["logprobs"], dtype=torch.float32)
+    advantages = torch.tensor(datum["advantages"], dtype=torch.float32)
+    ratio = torch.exp(logprobs - sampling)
+    if loss_fn == "importance_sampling":
+        return -(ratio * advantages)
+    if loss_fn == "ppo":
+        low, high = config.get("clip_low_threshold", 0.8), config.get("clip_high_threshold", 1.2)
+        return -torch.min(ratio * advantages, torch.clamp(ratio, low, high) * advantages)
+    if loss_fn == "cispo":
+        low, high = config.get("clip_low_threshold", 0.0), config.get("clip_high_threshold", 4.0)
+        return -(torch.clamp(ratio, low, high).detach() * advantages * logprobs)
+    raise ValueError(loss_fn)
+
+
 def adam(**overrides: float) -> dict[str, float]:
     params = {"learning_rate": 1e-2, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.0,
               "grad_clip_norm": 0.0}
@@ -163,6 +203,21 @@ class PlainReplay:
                 loss.backward()
             logprobs.append(lp.detach().numpy())
             total += float(loss.detach())
+        return logprobs, total
+
+    def logprobs(self, tokens: list[int], targets: list[int]) -> np.ndarray:
+        with torch.no_grad():
+            return token_logprobs(self.model, torch.tensor([tokens]), torch.tensor([targets]))[0].numpy()
+
+    def loss_backward(self, data: list[dict[str, Any]], loss: Any) -> tuple[list[np.ndarray], float]:
+        """Like ``forward_backward`` for datums given as dicts and ``loss(datum, logprobs) -> elementwise``."""
+        logprobs, total = [], 0.0
+        for datum in data:
+            lp = token_logprobs(self.model, torch.tensor([datum["tokens"]]), torch.tensor([datum["targets"]]))[0]
+            value = loss(datum, lp).sum()
+            value.backward()
+            logprobs.append(lp.detach().numpy())
+            total += float(value.detach())
         return logprobs, total
 
     def optim_step(self, params: dict[str, float]) -> None:
