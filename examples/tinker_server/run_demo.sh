@@ -1,18 +1,28 @@
 #!/usr/bin/env bash
-# The Tinker-protocol server demo: a 2-rank CPU server on DeepSpeed's unmanaged mode, driven by the
-# official tinker SDK (an SFT loop with a varying number of forward_backward calls per step).
+# The Tinker-protocol server demos: a 2-rank CPU server on DeepSpeed's unmanaged mode, driven by clients
+# nobody here wrote.
 #
-#   bash examples/tinker_server/run_demo.sh [demo options, e.g. --rank 0 --zero-stage 0 --steps 12]
+#   bash examples/tinker_server/run_demo.sh [rl] [options]   # RL: tinker-cookbook's RL loop (the default)
+#   bash examples/tinker_server/run_demo.sh sft [options]    # SFT: the official tinker SDK, variable N per step
 #
-# Uses $PYTHON (default: python on PATH), which must already have torch and the patched DeepSpeed
-# (see the README). The SDK and the server's other dependencies (requirements/tinker-server.txt)
-# are installed into it on first use. The SDK does not clash with the server's dependencies, so
-# the client runs in the same environment; pass --client-python to run it from another one.
+# Options go to `python -m examples.tinker_server rl-demo` or `... demo` (e.g. --zero-stage 3).
+# Uses $PYTHON (default: python on PATH), which must already have torch and the patched DeepSpeed (see
+# the README). The SDK, the server's other dependencies (requirements/tinker-server.txt) and tinker-cookbook
+# (requirements/tinker-cookbook.txt, installed with --no-deps: see there why) are installed into it on first use.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY="${PYTHON:-python}"
-if ! "$PY" -c "import tinker, peft, transformers, zstandard" >/dev/null 2>&1; then
+DEMO=rl-demo
+case "${1:-}" in
+    rl) shift ;;
+    sft) DEMO=demo; shift ;;
+esac
+if ! "$PY" -c "import tinker, peft, transformers, zstandard, chz, datasets" >/dev/null 2>&1; then
     echo "[demo] installing requirements/tinker-server.txt into $("$PY" -c 'import sys; print(sys.prefix)')"
     "$PY" -m pip install --quiet -r requirements/tinker-server.txt
 fi
-exec "$PY" -m examples.tinker_server demo "$@"
+if [[ "$DEMO" == rl-demo ]] && ! "$PY" -c "import tinker_cookbook.rl.train" >/dev/null 2>&1; then
+    echo "[demo] installing requirements/tinker-cookbook.txt (--no-deps) into $("$PY" -c 'import sys; print(sys.prefix)')"
+    "$PY" -m pip install --quiet --no-deps -r requirements/tinker-cookbook.txt
+fi
+exec "$PY" -m examples.tinker_server "$DEMO" "$@"
