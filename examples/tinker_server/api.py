@@ -470,7 +470,8 @@ class TinkerApi:
             return self._snapshot_for_path(str(model_path))
         if base_model in BASE_MODELS:
             return str(base_model), SnapshotRef(f"base:{base_model}", str(base_model))
-        return "", SnapshotRef("", "", error=f"unknown base_model {base_model!r}; this server has {sorted(BASE_MODELS)}")
+        return "", SnapshotRef("", "", error=f"unknown base_model {base_model!r}; this server has "
+                               f"{sorted(BASE_MODELS)}")
 
     def _create_sampling_session(self, headers: dict[str, str], body: bytes) -> Response:
         request = parse_json(body)

@@ -155,7 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     config = train.Config(
         learning_rate=args.learning_rate,
         dataset_builder=LettersDatasetBuilder(batches=args.steps),
-        stream_minibatch_config=(train.StreamMinibatchConfig(groups_per_batch=GROUPS_PER_BATCH, num_minibatches=args.minibatches)
+        stream_minibatch_config=(train.StreamMinibatchConfig(groups_per_batch=GROUPS_PER_BATCH,
+                                                             num_minibatches=args.minibatches)
                                  if args.minibatches > 1 else None),
         model_name=BASE_MODEL,
         recipe_name="tinker-server-letters",

@@ -94,7 +94,8 @@ class SamplerPool:
             if ref.snapshot_id.startswith("base:"):
                 return {}
             raise UserError(f"the sampler's weights ({ref.snapshot_id}) are no longer held; this server keeps the "
-                            f"last {MAX_SNAPSHOTS} unnamed snapshots (save_weights_for_sampler(name) keeps them on disk)")
+                            f"last {MAX_SNAPSHOTS} unnamed snapshots (save_weights_for_sampler(name) keeps them "
+                            "on disk)")
         try:
             weights = torch.load(ref.file, map_location="cpu", weights_only=True)
         except (OSError, RuntimeError) as e:

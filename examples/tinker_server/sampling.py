@@ -104,7 +104,8 @@ def _stops(stop: Any, default_tokens: tuple[int, ...]) -> tuple[tuple[int, ...],
     if isinstance(stop, str):
         stop = [stop]
     if not isinstance(stop, list):
-        raise UserError(f"sampling_params.stop must be a string, a list of strings or a list of token ids, got {stop!r}")
+        raise UserError("sampling_params.stop must be a string, a list of strings or a list of token ids, "
+                        f"got {stop!r}")
     if all(isinstance(s, str) for s in stop):
         if any(s == "" for s in stop):
             raise UserError("sampling_params.stop: empty stop string")
@@ -169,7 +170,8 @@ def parse_sample(body: dict[str, Any], snapshot: SnapshotRef, vocab_size: int, m
     if not (0 <= topk_prompt <= vocab_size and 0 <= topk_sample <= vocab_size):
         raise UserError("topk_prompt_logprobs and topk_sample_logprobs must be in [0, vocab size]")
     return SampleJob(snapshot, prompt, num_samples, max_tokens, temperature, top_k if top_k > 0 else -1, top_p,
-                     stop_tokens, stop_strings, seeds, want_prompt or topk_prompt > 0, last_n, topk_prompt, topk_sample)
+                     stop_tokens, stop_strings, seeds, want_prompt or topk_prompt > 0, last_n, topk_prompt,
+                     topk_sample)
 
 
 def _topk(pb: Any, ids: np.ndarray, logprobs: np.ndarray) -> Any:

@@ -245,7 +245,6 @@ class Worker:
             model.steps = int(client_state.get("tinker_steps", 0))
         return {"path": job["path"], "type": "load_weights"}
 
-
     def _save_sampler(self, model: TrainingModel, job: dict[str, Any]) -> dict[str, Any]:
         """Snapshot the current weights for sampling (a collective under ZeRO-3); rank 0 writes a named one."""
         weights = capture_weights(model.engine, self.zero_stage, trainable_only=model.lora is not None)

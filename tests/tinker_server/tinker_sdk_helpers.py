@@ -20,6 +20,7 @@ from examples.tinker_server.api import checkpoint_dir, parse_tinker_path
 from examples.tinker_server.model import LoraSpec, build_model, cross_entropy_sum, token_logprobs
 from examples.tinker_server.worker import WEIGHTS_FILE
 
+
 def require(module: str) -> Any:
     """Import a dependency from requirements/tinker-server.txt: skip without it, but fail in CI,
     where a skip would hide a missing install step."""

@@ -1,0 +1,74 @@
+"""The server under a standard launcher: ``torchrun`` starts 2 CPU ranks, rank 0 serves, rank 1 follows.
+
+The same entry point (``python -m examples.tinker_server rank``) runs under ``torchrun`` and the
+``deepspeed`` launcher on any number of nodes; here ``torchrun`` on one node with 2 gloo ranks
+trains a step and samples through the SDK, then stops cleanly when rank 0 gets SIGTERM.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tinker_sdk_helpers import require
+
+tinker = require("tinker")
+from tinker import types  # noqa: E402
+
+from examples.tinker_server.launch import ROOT, free_port  # noqa: E402
+from tinker_sdk_helpers import API_KEY, RESULT_TIMEOUT_S, START_TIMEOUT_S, adam, random_data, to_sdk  # noqa: E402
+
+pytestmark = pytest.mark.pr("zero-0-1")
+
+
+def test_torchrun_runs_the_server_and_rank_0_serves(tmp_path: Path) -> None:
+    torchrun = Path(sys.executable).with_name("torchrun")
+    if not torchrun.exists():
+        pytest.skip("torchrun is not installed beside this Python")
+    ready, log = tmp_path / "ready.json", tmp_path / "torchrun.log"
+    command = [str(torchrun), "--nnodes", "1", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+               "--master-port", str(free_port()), "-m", "examples.tinker_server", "rank", "--port", "0",
+               "--zero-stage", "1", "--device", "cpu", "--checkpoint-dir", str(tmp_path / "ckpt"),
+               "--long-poll-s", "1", "--ready-file", str(ready)]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+               OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    with open(log, "wb") as out:
+        launcher = subprocess.Popen(command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not ready.exists():
+            assert launcher.poll() is None, f"torchrun exited with {launcher.returncode}:\n{log.read_text()}"
+            assert time.monotonic() < deadline, f"no server after {START_TIMEOUT_S} s:\n{log.read_text()}"
+            time.sleep(0.2)
+        served = json.loads(ready.read_text())
+
+        service = tinker.ServiceClient(base_url=served["base_url"], api_key=API_KEY)
+        training = service.create_lora_training_client(base_model="tiny-llama-byte", rank=4, seed=0).result(
+            timeout=120)
+        futures = [training.forward_backward(to_sdk(random_data(np.random.default_rng(i), 3)),
+                                             "cross_entropy") for i in range(2)]
+        metrics = training.optim_step(types.AdamParams(**adam())).result(timeout=RESULT_TIMEOUT_S).metrics
+        assert [f.result(timeout=RESULT_TIMEOUT_S).metrics["loss:sum"] > 0 for f in futures] == [True, True]
+        assert metrics["fwdbwd_requests:sum"] == 2 and metrics["datums:sum"] == 6
+        sampler = training.save_weights_and_get_sampling_client().result(timeout=RESULT_TIMEOUT_S)
+        result = sampler.sample(types.ModelInput.from_ints(list(b"hi")), 3,
+                                types.SamplingParams(max_tokens=4, seed=1)).result(timeout=RESULT_TIMEOUT_S)
+        assert [len(s.tokens) for s in result.sequences] == [4, 4, 4]  # rank 0 sampled 2, rank 1 sampled 1
+        service.close("success").result(timeout=30)
+
+        os.kill(served["pid"], signal.SIGTERM)  # rank 0 stops the followers; torchrun sees every rank exit 0
+        assert launcher.wait(120) == 0, log.read_text()
+        assert "[tinker-server] stopped" in log.read_text()
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.wait()
