@@ -1,34 +1,152 @@
-"""A fixed training run whose result pristine DeepSpeed 0.19.3 recorded (tests/fixtures/default_behaviour.json).
+"""Fixed managed-mode runs whose results the series must leave untouched, bit for bit.
 
-With ``managed_gradient_accumulation`` absent the series must not change a single bit of what DeepSpeed
-computes. ``tools/record_reference.py`` runs these configurations on the pristine sdist; the test runs
-them on the installed, patched DeepSpeed and compares digests of every parameter and of the optimizer
-state, plus the step bookkeeping.
+With ``managed_gradient_accumulation`` absent, DeepSpeed must compute exactly what it computed before the
+series. ``support.pristine`` runs these cases on a DeepSpeed tree without the unmanaged PRs (the pinned
+sdist plus the series' leading bug-fix PRs), imported from its folder on the machine that runs the tests;
+``tests/unmanaged/test_default_unchanged.py`` runs them on the installed DeepSpeed and compares.
+
+Every case covers one configuration the series touches: ZeRO 0-3 in fp32, bf16 and fp16, clipping on
+and off, CPU and NVMe optimizer offload, ZeRO-3 parameter offload, MoE, ``overlap_comm``,
+``contiguous_gradients``, parameters unused in some micro-batches or in whole steps, ``zero_grad()``
+between micro-batches, a checkpoint save and load, ``no_sync()`` and an fp16 overflow.
 """
 
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
-from .paths import SEQUENTIAL_GATHERS_ON_GLOO
-from .training import base_config, flatten, initialize, run_managed
+from .offload_paths import AIO, CPU_ADAM, NVME, _offload, _offload3
+from .paths import (CLIP, WARMUP, Path, _zero2, _zero3, client_fused_adam, make_branchy_model, make_moe_model)
+from .training import FEATURES, HIDDEN, OUTPUTS, destroy, flatten, forward_loss
 
+#: Managed steps of GAS micro-batches per case.
 STEPS = 3
 GAS = 2
+#: Clipping off.
+NO_CLIP = {"gradient_clipping": 0.0}
+#: ``gradient_clipping`` absent: DeepSpeed's default (1.0) is part of the default behaviour.
+DEFAULT_CLIP = {"gradient_clipping": None}
 
-#: Configurations without the flag: every ZeRO stage, fp32 and bf16, DeepSpeed's default clipping.
-CONFIGS = {
-    "zero0-fp32": dict(stage=0),
-    "zero0-bf16": dict(stage=0, dtype="bf16"),
-    "zero1-fp32": dict(stage=1),
-    "zero1-bf16": dict(stage=1, dtype="bf16"),
-    "zero2-fp32": dict(stage=2),
-    "zero2-bf16-overlap": dict(stage=2, dtype="bf16", zero_optimization={"overlap_comm": True}),
-    "zero3-fp32": dict(stage=3, zero_optimization={"stage3_param_persistence_threshold": 0}),
-    # Sequential gathers (see SEQUENTIAL_GATHERS_ON_GLOO; the fixture is recorded on gloo too).
-    "zero3-bf16": dict(stage=3, dtype="bf16", zero_optimization=SEQUENTIAL_GATHERS_ON_GLOO),
+
+class TwoHeadMLP(torch.nn.Module):
+    """Even steps train one head, odd steps the other: each head gets no gradient in a whole step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = torch.nn.Linear(FEATURES, HIDDEN)
+        self.head_a = torch.nn.Linear(HIDDEN, OUTPUTS)
+        self.head_b = torch.nn.Linear(HIDDEN, OUTPUTS)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from .training import current_micro_batch
+
+        step, _ = current_micro_batch()
+        head = self.head_a if step % 2 == 0 else self.head_b
+        return head(torch.nn.functional.gelu(self.fc1(x)))
+
+
+def make_two_head_model() -> torch.nn.Module:
+    torch.manual_seed(1234)
+    return TwoHeadMLP()
+
+
+@dataclass(frozen=True)
+class Case:
+    """An engine configuration and the managed-mode loop that drives it."""
+
+    path: Path
+    #: "plain", "zero_grad_between", "no_sync", "fp16_overflow" or "checkpoint"
+    drive: str = "plain"
+    more: dict = field(default_factory=dict)
+    needs_aio: bool = False
+
+
+def _case(path: Path, drive: str = "plain", **more: Any) -> Case:
+    return Case(path, drive, more, needs_aio="nvme" in repr(path.extra))
+
+
+_Z0 = Path(0, "fp32", {**CLIP, **WARMUP})
+_Z1 = Path(1, "fp32", {**CLIP, **WARMUP})
+_Z2 = _zero2()
+_Z3 = _zero3()
+
+#: Every configuration the series touches, at a size that keeps all of them CI-sized.
+CASES: dict[str, Case] = {
+    # ZeRO 0: the engine's own all-reduce, every precision and optimizer wrapper.
+    "zero0-fp32-default-clip": _case(_Z0, **DEFAULT_CLIP),
+    "zero0-fp32-no-clip": _case(_Z0, **NO_CLIP),
+    "zero0-fp32-clip": _case(_Z0),
+    "zero0-bf16": _case(Path(0, "bf16", CLIP)),
+    "zero0-fp16": _case(Path(0, "fp16", {
+        **CLIP,
+        **WARMUP
+    }, needs_fp16=True)),
+    "zero0-fp16-fused": _case(Path(0, "fp16", {
+        **CLIP, "optimizer": None
+    }, client_fused_adam, needs_fp16=True)),
+    "zero0-fp16-overflow": _case(Path(0, "fp16", CLIP, needs_fp16=True), "fp16_overflow"),
+    "zero0-moe": _case(Path(0, "fp32", CLIP, model_fn=make_moe_model)),
+    "zero0-unused-some-micro-batches": _case(Path(0, "fp32", CLIP, model_fn=make_branchy_model)),
+    "zero0-unused-whole-steps": _case(Path(0, "fp32", CLIP, model_fn=make_two_head_model)),
+    "zero0-zero-grad-between": _case(_Z0, "zero_grad_between"),
+    "zero0-no-sync": _case(_Z0, "no_sync"),
+    "zero0-checkpoint": _case(_Z0, "checkpoint"),
+    # ZeRO 1
+    "zero1-fp32-default-clip": _case(_Z1, **DEFAULT_CLIP),
+    "zero1-fp32-no-clip": _case(_Z1, **NO_CLIP),
+    "zero1-bf16": _case(Path(1, "bf16", CLIP)),
+    "zero1-fp16": _case(Path(1, "fp16", CLIP, needs_fp16=True)),
+    "zero1-fp16-overflow": _case(Path(1, "fp16", CLIP, needs_fp16=True), "fp16_overflow"),
+    "zero1-moe": _case(Path(1, "fp32", CLIP, model_fn=make_moe_model)),
+    "zero1-unused-whole-steps": _case(Path(1, "fp32", CLIP, model_fn=make_two_head_model)),
+    "zero1-no-sync": _case(_Z1, "no_sync"),
+    "zero1-checkpoint": _case(_Z1, "checkpoint"),
+    "zero1-offload": _case(_offload(1)),
+    "zero1-offload-bf16-no-clip": _case(_offload(1, "bf16"), **NO_CLIP),
+    "zero1-offload-unused-some-micro-batches": _case(_offload(1, model_fn=make_branchy_model)),
+    "zero1-offload-unused-whole-steps": _case(_offload(1, model_fn=make_two_head_model)),
+    # ZeRO 2
+    "zero2-fp32-default-clip": _case(_Z2, **DEFAULT_CLIP),
+    "zero2-fp32-no-clip": _case(_Z2, **NO_CLIP),
+    "zero2-bf16-overlap-comm": _case(_zero2("bf16", overlap_comm=True)),
+    "zero2-fp16": _case(_zero2("fp16", needs_fp16=True)),
+    "zero2-fp16-overflow": _case(_zero2("fp16", needs_fp16=True), "fp16_overflow"),
+    "zero2-overlap-comm": _case(_zero2(overlap_comm=True)),
+    "zero2-no-contiguous-gradients": _case(_zero2(contiguous_gradients=False)),
+    "zero2-moe": _case(_zero2(model_fn=make_moe_model)),
+    "zero2-unused-some-micro-batches": _case(_zero2(model_fn=make_branchy_model)),
+    "zero2-unused-whole-steps": _case(_zero2(model_fn=make_two_head_model)),
+    "zero2-zero-grad-between": _case(_Z2, "zero_grad_between"),
+    "zero2-checkpoint": _case(_Z2, "checkpoint"),
+    "zero2-offload": _case(_offload(2)),
+    "zero2-offload-fp16-overflow": _case(_offload(2, "fp16", needs_fp16=True), "fp16_overflow"),
+    "zero2-offload-unused-some-micro-batches": _case(_offload(2, model_fn=make_branchy_model)),
+    "zero2-offload-unused-whole-steps": _case(_offload(2, model_fn=make_two_head_model)),
+    "zero2-offload-nvme": _case(_offload(2, device="nvme", nvme_path=NVME["nvme_path"], extra=AIO)),
+    # ZeRO 3
+    "zero3-fp32-default-clip": _case(_Z3, **DEFAULT_CLIP),
+    "zero3-fp32-no-clip": _case(_Z3, **NO_CLIP),
+    "zero3-bf16": _case(_zero3("bf16")),
+    "zero3-fp16": _case(_zero3("fp16", needs_fp16=True)),
+    "zero3-fp16-overflow": _case(_zero3("fp16", needs_fp16=True), "fp16_overflow"),
+    "zero3-no-contiguous-gradients": _case(_zero3(contiguous_gradients=False)),
+    "zero3-unused-some-micro-batches": _case(_zero3(model_fn=make_branchy_model)),
+    "zero3-unused-whole-steps": _case(_zero3(model_fn=make_two_head_model)),
+    "zero3-zero-grad-between": _case(_Z3, "zero_grad_between"),
+    "zero3-checkpoint": _case(_Z3, "checkpoint"),
+    "zero3-offload": _case(_offload3(optimizer={})),
+    "zero3-offload-bf16-no-clip": _case(_offload3("bf16", optimizer={}), **NO_CLIP),
+    "zero3-offload-unused-whole-steps": _case(_offload3(model_fn=make_two_head_model, optimizer={})),
+    "zero3-offload-param": _case(_offload3(param={})),
+    "zero3-offload-param-and-optimizer": _case(_offload3(param={}, optimizer={})),
+    "zero3-offload-nvme": _case(_offload3(optimizer=NVME, extra={
+        **CPU_ADAM,
+        **AIO
+    })),
 }
 
 
@@ -36,35 +154,90 @@ def digest(t: torch.Tensor) -> str:
     return hashlib.sha256(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
-_warmed_up = False
+def aio_available() -> bool:
+    """Whether DeepSpeed's async I/O op (NVMe offload) builds on this machine."""
+    from deepspeed.accelerator import get_accelerator
+
+    builder = get_accelerator().create_op_builder("AsyncIOBuilder")
+    return builder is not None and builder.is_compatible(verbose=False)
 
 
-def _warm_up() -> None:
-    """Train one throw-away engine first in every process.
+def fixed_run(name: str, workdir: str) -> dict:
+    """Train case ``name`` in managed mode; return digests of everything a user could observe.
 
-    Measured on pristine 0.19.3: a ZeRO-3 bf16 engine that is the very first engine of its process
-    computes a slightly different result than one created after any other engine, so the fixed runs
-    must not depend on whether a test rank is fresh.
+    ``workdir`` is a folder all ranks share (checkpoints). An NVMe case on a machine where the async I/O
+    op does not build returns ``{"skipped": reason}``.
     """
-    global _warmed_up
-    if not _warmed_up:
-        engine = initialize(base_config(1))
-        run_managed(engine, [1])
-        engine.destroy()
-        _warmed_up = True
+    case = CASES[name]
+    if case.needs_aio and not aio_available():
+        return {"skipped": "DeepSpeed's async I/O op (NVMe offload) does not build here (libaio-dev missing?)"}
+    engine = case.path.initialize(gas=GAS, managed=None, **case.more)
+    _DRIVES[case.drive](engine, f"{workdir}/{name}")
+    result = _observe(engine)
+    destroy(engine)
+    return result
 
 
-def fixed_run(name: str) -> dict:
-    """Train ``name`` for STEPS managed steps of GAS micro-batches; return digests of the result."""
+def _plain(engine, workdir: str, steps: range = range(STEPS)) -> None:
+    for step in steps:
+        for i in range(GAS):
+            engine.backward(forward_loss(engine, step, i))
+            engine.step()
+
+
+def _zero_grad_between(engine, workdir: str) -> None:
+    """``zero_grad()`` after the first micro-batch of every step: what it discards is up to DeepSpeed."""
+    for step in range(STEPS):
+        for i in range(GAS):
+            engine.backward(forward_loss(engine, step, i))
+            engine.step()
+            if i == 0:
+                engine.zero_grad()
+
+
+def _no_sync(engine, workdir: str) -> None:
+    """Every micro-batch but the last of a step inside ``no_sync()``."""
+    for step in range(STEPS):
+        for i in range(GAS):
+            loss = forward_loss(engine, step, i)
+            if i < GAS - 1:
+                with engine.no_sync():
+                    engine.backward(loss)
+            else:
+                engine.backward(loss)
+            engine.step()
+
+
+def _fp16_overflow(engine, workdir: str) -> None:
+    """One overflowing micro-batch in step 1: the step is skipped and the loss scale backs off."""
+    for step in range(STEPS):
+        for i in range(GAS):
+            loss = forward_loss(engine, step, i)
+            engine.backward(loss * float("inf") if (step, i) == (1, 0) else loss)
+            engine.step()
+
+
+def _checkpoint(engine, workdir: str) -> None:
+    """Save after step 1, train on, load it back and train the last step again."""
+    _plain(engine, workdir, range(2))
+    engine.save_checkpoint(workdir, tag="step2")
+    _plain(engine, workdir, range(2, STEPS))
+    engine.load_checkpoint(workdir, tag="step2")
+    _plain(engine, workdir, range(2, STEPS))
+
+
+_DRIVES = {
+    "plain": _plain,
+    "zero_grad_between": _zero_grad_between,
+    "no_sync": _no_sync,
+    "fp16_overflow": _fp16_overflow,
+    "checkpoint": _checkpoint,
+}
+
+
+def _observe(engine) -> dict:
     from deepspeed.utils import safe_get_full_fp32_param
 
-    _warm_up()
-
-    options = dict(CONFIGS[name])
-    config = base_config(GAS, **options)
-    config.pop("gradient_clipping")  # the default (1.0) is part of the default behaviour
-    engine = initialize(config)
-    run_managed(engine, [GAS] * STEPS)
     params = {}
     for pname, p in engine.module.named_parameters():
         full = safe_get_full_fp32_param(p) if hasattr(p, "ds_id") else p
@@ -77,13 +250,14 @@ def fixed_run(name: str) -> dict:
         if "ds_version" not in path and "fp32_flat_groups" not in path
     }
     norm = engine.get_global_grad_norm()
-    result = {
+    scale = engine._get_optimizer_loss_scale()
+    return {
         "params": params,
         "optimizer_state": hashlib.sha256(repr(sorted(state.items())).encode()).hexdigest(),
         "global_steps": engine.global_steps,
         "global_samples": engine.global_samples,
+        "skipped_steps": engine.skipped_steps,
         "grad_norm": float(norm).hex() if norm is not None else None,
+        "loss_scale": float(scale).hex() if scale is not None else None,
         "lr": [float(lr).hex() for lr in engine.get_lr()],
     }
-    engine.destroy()
-    return result

@@ -1,0 +1,191 @@
+"""What DeepSpeed computes without the unmanaged PRs, computed on this machine and cached per machine.
+
+Floating-point kernels differ by instruction set, so a bit-level reference holds only on the CPU that
+computed it: nothing here is committed. The reference tree is the pinned sdist with the series' leading
+bug-fix PRs (``fix-*``) applied and no unmanaged PR, materialized by ``tools/stack.py`` and imported
+straight from its folder by W fresh rank processes (nothing is installed). Results are cached under
+``<stack cache>/reference/`` keyed by everything that can change them: the CPU model and flags, the
+accelerator, the Python and torch versions, the pinned sdist, the bug-fix patches and the test sources
+that define the runs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+TESTS = Path(__file__).resolve().parent.parent
+ROOT = TESTS.parent
+#: Bug-fix PRs of the series carry this short-name prefix and come before every unmanaged PR.
+BUG_FIX_PREFIX = "fix-"
+#: How long the reference ranks may take for all cases together (JIT builds included).
+TIMEOUT = float(os.environ.get("DS_SERIES_REFERENCE_TIMEOUT", "1800"))
+
+
+def _stack():
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        import stack
+    finally:
+        sys.path.remove(str(ROOT / "tools"))
+    return stack
+
+
+def bug_fix_prefix() -> list:
+    """The series' leading bug-fix PRs: the reference tree applies these and nothing else."""
+    stack = _stack()
+    prefix = []
+    for patch in stack.read_series():
+        if not patch.name.startswith(BUG_FIX_PREFIX):
+            break
+        prefix.append(patch)
+    return prefix
+
+
+def machine_fingerprint() -> dict[str, str]:
+    """What decides the last bits of a floating-point result on this machine."""
+    import torch
+
+    cpu = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = (part.strip() for part in line.partition(":"))
+            if key in ("model name", "flags", "Features", "CPU part") and key not in cpu:
+                cpu[key] = value
+    except OSError:
+        pass
+    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] \
+        if torch.cuda.is_available() else []
+    return {
+        "machine": platform.machine(),
+        "cpu": json.dumps(cpu, sort_keys=True) or platform.processor(),
+        "gpus": ",".join(gpus),
+        "python": sys.version,
+        "torch": torch.__version__,
+        "cpu_count": str(os.cpu_count()),  # the ranks' intra-op thread count follows it
+    }
+
+
+def cache_key(world_size: int) -> str:
+    stack = _stack()
+    h = hashlib.sha256()
+    h.update(json.dumps(machine_fingerprint(), sort_keys=True).encode())
+    h.update(f"{stack.UPSTREAM_SHA256} w{world_size}".encode())
+    for patch in bug_fix_prefix():
+        h.update(patch.path.read_bytes())
+    for source in sorted((TESTS / "support").glob("*.py")) + [TESTS / "harness" / "worker.py"]:
+        h.update(source.name.encode() + source.read_bytes())
+    return h.hexdigest()[:32]
+
+
+def reference_results(world_size: int) -> dict[str, list[dict[str, Any]]]:
+    """Every ``reference_run.CASES`` result per rank, from the cache or computed now."""
+    stack = _stack()
+    cached = stack.cache_dir() / "reference" / f"{cache_key(world_size)}.json"
+    if cached.exists():
+        return json.loads(cached.read_text())
+    results = _compute(world_size)
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    partial = cached.with_suffix(".partial")
+    partial.write_text(json.dumps(results, sort_keys=True))
+    partial.replace(cached)
+    return results
+
+
+def _compute(world_size: int) -> dict[str, list[dict[str, Any]]]:
+    sys.path.insert(0, str(TESTS))
+    from harness import launch
+
+    stack = _stack()
+    fixes = bug_fix_prefix()
+    # A stable tree path and its own extension folder: DeepSpeed's JIT-built ops (CPU Adam, async I/O)
+    # are keyed by their include paths, so sharing a folder with the installed DeepSpeed would rebuild
+    # them for each side in turn; this way they are built once per machine.
+    tree = _reference_tree(stack, fixes)
+    with tempfile.TemporaryDirectory(prefix="ds-reference-") as tmp:
+        port = launch.free_port()
+        backend = launch.backend()
+        procs = []
+        for rank in range(world_size):
+            env = launch.rank_env(rank, world_size, port, backend)
+            env["PYTHONPATH"] = os.pathsep.join([str(tree), str(TESTS)])
+            env["TORCH_EXTENSIONS_DIR"] = str(tree.parent / "torch_extensions")
+            log = open(Path(tmp) / f"rank{rank}.log", "wb")
+            procs.append((subprocess.Popen([sys.executable, "-m", "support.pristine", tmp,
+                                            str(tree), backend],
+                                           env=env,
+                                           cwd=tmp,
+                                           stdout=log,
+                                           stderr=subprocess.STDOUT,
+                                           stdin=subprocess.DEVNULL), log))
+        failed = []
+        try:
+            for rank, (proc, log) in enumerate(procs):
+                if proc.wait(timeout=TIMEOUT) != 0:
+                    failed.append(rank)
+        except subprocess.TimeoutExpired:
+            failed = list(range(world_size))
+        finally:
+            for proc, log in procs:
+                proc.kill()
+                log.close()
+        if failed:
+            tails = "\n".join(f"--- rank {r} ---\n" + (Path(tmp) / f"rank{r}.log").read_text(errors="replace")[-4000:]
+                              for r in failed)
+            raise RuntimeError(f"the reference run on {tree} (sdist + {len(fixes)} bug-fix PRs) failed:\n{tails}")
+        per_rank = [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(world_size)]
+    return {name: [per_rank[r][name] for r in range(world_size)] for name in per_rank[0]}
+
+
+def _reference_tree(stack, fixes: list) -> Path:
+    """The sdist plus ``fixes``, materialized once under the cache (a plain tree, no git metadata)."""
+    h = hashlib.sha256(stack.UPSTREAM_SHA256.encode())
+    for patch in fixes:
+        h.update(patch.path.read_bytes())
+    tree = stack.cache_dir() / "reference-trees" / h.hexdigest()[:16] / "deepspeed"
+    if not (tree / "deepspeed" / "__init__.py").exists():
+        staging = tree.with_name("staging")
+        shutil.rmtree(staging, ignore_errors=True)
+        stack.materialize(staging, upto=len(fixes))
+        shutil.rmtree(staging / ".git")
+        shutil.rmtree(tree, ignore_errors=True)
+        staging.rename(tree)
+    return tree
+
+
+def _rank_main(out: str, tree: str, backend: str) -> None:
+    """One reference rank: every case in turn, each from the same start state as a test rank's."""
+    import deepspeed
+
+    if not deepspeed.__file__.startswith(tree):
+        raise RuntimeError(f"imported {deepspeed.__file__}, not the reference tree {tree}")
+    from harness.runner import SETTINGS
+    from harness.worker import _disable_cpu_shm_allreduce, _reset_state
+    from support.reference_run import CASES, fixed_run
+
+    if backend == "nccl":
+        from deepspeed.accelerator import get_accelerator
+
+        get_accelerator().set_device(int(os.environ["LOCAL_RANK"]))
+    else:
+        _disable_cpu_shm_allreduce()
+    deepspeed.init_distributed(dist_backend=backend, verbose=False)
+    workdir = Path(out, "work")
+    results = {}
+    for name in CASES:
+        _reset_state(SETTINGS.seed)
+        results[name] = fixed_run(name, str(workdir))
+    Path(out, f"rank{deepspeed.comm.get_rank()}.json").write_text(json.dumps(results))
+    deepspeed.comm.barrier()
+
+
+if __name__ == "__main__":
+    _rank_main(*sys.argv[1:])
