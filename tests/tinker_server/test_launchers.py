@@ -1,8 +1,9 @@
-"""The server under a standard launcher: ``torchrun`` starts 2 CPU ranks, rank 0 serves, rank 1 follows.
+"""The server under the standard launchers: 2 CPU ranks, rank 0 serves, rank 1 follows.
 
-The same entry point (``python -m examples.tinker_server rank``) runs under ``torchrun`` and the
-``deepspeed`` launcher on any number of nodes; here ``torchrun`` on one node with 2 gloo ranks
-trains a step and samples through the SDK, then stops cleanly when rank 0 gets SIGTERM.
+The same entry point (``python -m examples.tinker_server rank``) runs under ``torchrun`` and
+DeepSpeed's ``deepspeed`` launcher on any number of nodes; here each starts 2 gloo ranks on one node
+(the deepspeed launcher on DeepSpeed's CPU accelerator, which counts LOCAL_SIZE devices), the SDK
+trains a step and samples, and the server stops cleanly when rank 0 gets SIGTERM.
 """
 
 from __future__ import annotations
@@ -29,17 +30,25 @@ from tinker_sdk_helpers import API_KEY, RESULT_TIMEOUT_S, START_TIMEOUT_S, adam,
 pytestmark = pytest.mark.pr("zero-0-1")
 
 
-def test_torchrun_runs_the_server_and_rank_0_serves(tmp_path: Path) -> None:
-    torchrun = Path(sys.executable).with_name("torchrun")
-    if not torchrun.exists():
-        pytest.skip("torchrun is not installed beside this Python")
-    ready, log = tmp_path / "ready.json", tmp_path / "torchrun.log"
-    command = [str(torchrun), "--nnodes", "1", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-               "--master-port", str(free_port()), "-m", "examples.tinker_server", "rank", "--port", "0",
-               "--zero-stage", "1", "--device", "cpu", "--checkpoint-dir", str(tmp_path / "ckpt"),
-               "--long-poll-s", "1", "--ready-file", str(ready)]
+LAUNCHERS = {
+    "torchrun": ["torchrun", "--nnodes", "1", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+                 "--master-port", "{port}", "-m"],
+    "deepspeed": ["deepspeed", "--num_gpus", "2", "--master_port", "{port}", "--module"],
+}
+
+
+@pytest.mark.parametrize("launcher_name", sorted(LAUNCHERS))
+def test_a_standard_launcher_runs_the_server_and_rank_0_serves(tmp_path: Path, launcher_name: str) -> None:
+    program = Path(sys.executable).with_name(launcher_name)
+    if not program.exists():
+        pytest.skip(f"{launcher_name} is not installed beside this Python")
+    ready, log = tmp_path / "ready.json", tmp_path / f"{launcher_name}.log"
+    port = str(free_port())
+    command = [str(program), *(a.replace("{port}", port) for a in LAUNCHERS[launcher_name][1:]),
+               "examples.tinker_server", "rank", "--port", "0", "--zero-stage", "1", "--device", "cpu",
+               "--checkpoint-dir", str(tmp_path / "ckpt"), "--long-poll-s", "1", "--ready-file", str(ready)]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-               OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+               OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", DS_ACCELERATOR="cpu", LOCAL_SIZE="2")
     with open(log, "wb") as out:
         launcher = subprocess.Popen(command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
                                     start_new_session=True)
@@ -65,7 +74,7 @@ def test_torchrun_runs_the_server_and_rank_0_serves(tmp_path: Path) -> None:
         assert [len(s.tokens) for s in result.sequences] == [4, 4, 4]  # rank 0 sampled 2, rank 1 sampled 1
         service.close("success").result(timeout=30)
 
-        os.kill(served["pid"], signal.SIGTERM)  # rank 0 stops the followers; torchrun sees every rank exit 0
+        os.kill(served["pid"], signal.SIGTERM)  # rank 0 stops the followers; the launcher sees every rank exit 0
         assert launcher.wait(120) == 0, log.read_text()
         assert "[tinker-server] stopped" in log.read_text()
     finally:
