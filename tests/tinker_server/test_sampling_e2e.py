@@ -145,6 +145,16 @@ def test_sampling_params_mean_what_they_say(server, service) -> None:
         stopped = sample(sampler, 1, temperature=0.0, max_tokens=12, stop=[stop_string]).sequences[0]
         assert stopped.stop_reason == "stop" and list(stopped.tokens) == greedy[:greedy.index(ascii_tokens[-1]) + 1]
 
+    top = sampler.sample(types.ModelInput.from_ints(PROMPT), 1, types.SamplingParams(max_tokens=4, seed=2),
+                         topk_prompt_logprobs=3, topk_sample_logprobs=2).result(timeout=RESULT_TIMEOUT_S)
+    assert top.topk_prompt_logprobs[0] is None and [len(x) for x in top.topk_prompt_logprobs[1:]] == [3] * 9
+    first = top.topk_prompt_logprobs[1]
+    assert [v for _, v in first] == sorted((v for _, v in first), reverse=True)
+    assert first[0][1] >= top.prompt_logprobs[1] - 1e-5, "the best token is at least as likely as the actual one"
+    sequence = top.sequences[0]
+    assert [len(x) for x in sequence.topk_logprobs] == [2] * 4
+    assert all(best[0][1] >= lp - 1e-5 for best, lp in zip(sequence.topk_logprobs, sequence.logprobs))
+
     hot = sample(sampler, 8, temperature=5.0, max_tokens=12)
     cold = sample(sampler, 8, temperature=0.2, max_tokens=12)
     assert len({tuple(t) for t in tokens_of(hot)}) >= len({tuple(t) for t in tokens_of(cold)})
