@@ -47,11 +47,16 @@ def _rank_args(args: argparse.Namespace) -> list[str]:
     return out
 
 
+def _demo_device(args: argparse.Namespace) -> str:
+    """The demos run on CPU ranks unless ``--device`` says otherwise (they are sized for 2 CPU cores)."""
+    return "cpu" if args.device == "auto" else args.device
+
+
 def _demo(args: argparse.Namespace) -> int:
     """Start a server on ``--world-size`` CPU ranks, run the SFT client against it, stop the server."""
     checkpoints = args.checkpoint_dir / "demo"
     server = ServerProcess(world_size=args.world_size, zero_stage=args.zero_stage, checkpoint_dir=checkpoints,
-                           extra_args=["--max-chunk-datums", "8"])
+                           extra_args=["--max-chunk-datums", "8", "--device", _demo_device(args)])
     print(f"[demo] starting the server on {args.world_size} CPU ranks (ZeRO stage {args.zero_stage})", flush=True)
     base_url = server.start()
     try:
@@ -67,7 +72,8 @@ def _rl_demo(args: argparse.Namespace) -> int:
     """Start a server on ``--world-size`` CPU ranks, run tinker-cookbook's RL loop against it, stop the server."""
     checkpoints = args.checkpoint_dir / "rl-demo"
     server = ServerProcess(world_size=args.world_size, zero_stage=args.zero_stage, checkpoint_dir=checkpoints,
-                           extra_args=["--max-chunk-datums", str(args.max_chunk_datums), "--device", "cpu"])
+                           extra_args=["--max-chunk-datums", str(args.max_chunk_datums), "--device",
+                                       _demo_device(args)])
     print(f"[rl-demo] starting the server on {args.world_size} CPU ranks (ZeRO stage {args.zero_stage})", flush=True)
     base_url = server.start()
     try:

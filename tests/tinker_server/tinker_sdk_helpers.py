@@ -55,7 +55,11 @@ def start_server(tmp_dir: Path, zero_stage: int, checkpoint_dir: Path | None = N
     """A 2-rank server on loopback with short long-polls; the caller stops it (by PID)."""
     from examples.tinker_server.launch import ServerProcess
 
-    extra = ["--max-chunk-datums", "4", "--long-poll-s", "1"]
+    # Two GPUs or more: the server's default, one rank per GPU (NCCL). Fewer: 2 CPU ranks (gloo).
+    from examples.tinker_server.launch import cuda_device_count
+
+    device = "auto" if cuda_device_count() >= 2 else "cpu"
+    extra = ["--max-chunk-datums", "4", "--long-poll-s", "1", "--device", device]
     for path in base_models:
         extra += ["--base-model", str(path)]
     server = ServerProcess(world_size=2, zero_stage=zero_stage, checkpoint_dir=checkpoint_dir or tmp_dir / "ckpt",
