@@ -87,6 +87,18 @@ def checkpoint_dir(root: Path, model_id: str, name: str, kind: str = "weights") 
     return root / model_id.replace("/", "_") / kind / name
 
 
+def canonical_base_model(name: str) -> str:
+    """A served model's name: built-in names as they are, local models by absolute path (``~`` and
+    relative spellings of a served directory resolve to it)."""
+    if name in BASE_MODELS:
+        return name
+    if name:
+        resolved = str(Path(name).expanduser().resolve())
+        if resolved in BASE_MODELS:
+            return resolved
+    raise UserError(f"unknown base_model {name!r}; this server has {sorted(BASE_MODELS)}")
+
+
 @dataclass(frozen=True)
 class SamplingSession:
     sampling_session_id: str
@@ -238,8 +250,7 @@ class TinkerApi:
         with self._lock:
             if session_id not in self._sessions:
                 raise UserError(f"unknown session {session_id!r}")
-        if base_model not in BASE_MODELS:
-            raise UserError(f"unknown base_model {base_model!r}; this server has {sorted(BASE_MODELS)}")
+        base_model = canonical_base_model(base_model)
         optimizer = (body.get("optimizer_config") or {}).get("type", "adamw")
         if optimizer != "adamw":
             raise UserError(f"unsupported optimizer {optimizer!r}: this server runs AdamW")
@@ -468,10 +479,11 @@ class TinkerApi:
     def _snapshot_for(self, model_path: Any, base_model: Any) -> tuple[str, SnapshotRef]:
         if model_path:
             return self._snapshot_for_path(str(model_path))
-        if base_model in BASE_MODELS:
-            return str(base_model), SnapshotRef(f"base:{base_model}", str(base_model))
-        return "", SnapshotRef("", "", error=f"unknown base_model {base_model!r}; this server has "
-                               f"{sorted(BASE_MODELS)}")
+        try:
+            name = canonical_base_model(str(base_model or ""))
+        except UserError as e:
+            return "", SnapshotRef("", "", error=str(e))
+        return name, SnapshotRef(f"base:{name}", name)
 
     def _create_sampling_session(self, headers: dict[str, str], body: bytes) -> Response:
         request = parse_json(body)
@@ -507,8 +519,10 @@ class TinkerApi:
             spec = BASE_MODELS.get(base_model)
             if spec is None:
                 raise UserError(snapshot.error or f"unknown base_model {base_model!r}")
+            with self._lock:  # a numpy Generator is not thread-safe; handlers run on many threads
+                fallback_seed = int(self._rng.integers(0, 2**62))
             job = parse_sample(request, snapshot, spec.vocab_size, spec.max_context_length, spec.eos_token_ids,
-                               self._rng)
+                               fallback_seed)
             request_id = self.scheduler.submit("sample", str(sampler_id or base_model), job)
         except UserError as e:
             future = self.futures.create()

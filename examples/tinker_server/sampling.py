@@ -116,8 +116,9 @@ def _stops(stop: Any, default_tokens: tuple[int, ...]) -> tuple[tuple[int, ...],
 
 
 def parse_sample(body: dict[str, Any], snapshot: SnapshotRef, vocab_size: int, max_context_length: int,
-                 eos_token_ids: tuple[int, ...], rng: np.random.Generator) -> SampleJob:
-    """Validate an ``asample`` body against the model it samples."""
+                 eos_token_ids: tuple[int, ...], fallback_seed: int) -> SampleJob:
+    """Validate an ``asample`` body against the model it samples; without a seed in the request the
+    per-sample seeds derive from ``fallback_seed`` (drawn by the server)."""
     if snapshot.error:
         raise UserError(snapshot.error)
     prompt = prompt_tokens(body.get("prompt"))
@@ -156,7 +157,7 @@ def parse_sample(body: dict[str, Any], snapshot: SnapshotRef, vocab_size: int, m
     seed = params.get("seed")
     if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or seed < 0):
         raise UserError(f"sampling_params.seed must be a non-negative integer, got {seed!r}")
-    base = np.random.default_rng(seed) if seed is not None else rng
+    base = np.random.default_rng(seed if seed is not None else fallback_seed)
     seeds = tuple(int(s) for s in base.integers(0, 2**62, num_samples))
     for unsupported in ("target_prompt_logprobs", "prompt_alt_tokens_k", "record_stability_info"):
         if body.get(unsupported):

@@ -31,7 +31,7 @@ def body(tokens: list[int], **params) -> dict:
 
 
 def parse(request: dict, eos: tuple[int, ...] = (), seed: int = 0):
-    return parse_sample(request, BASE, 256, 32, eos, np.random.default_rng(seed))
+    return parse_sample(request, BASE, 256, 32, eos, seed)
 
 
 def test_sampling_params_get_tinker_defaults() -> None:
