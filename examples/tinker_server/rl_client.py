@@ -20,6 +20,7 @@ import asyncio
 import json
 import logging
 import os
+import shutil
 import sys
 import time
 from collections.abc import Sequence
@@ -132,6 +133,39 @@ async def run(config: train.Config, metrics_file: Path, verbose: bool) -> None:
     print_rewards(metrics_file, printed)
 
 
+def make_config(base_url: str, log_dir: Path, steps: int = 20, learning_rate: float = 2e-2, lora_rank: int = 16,
+                minibatches: int = 2) -> train.Config:
+    """The cookbook's RL config for the letters task against the server at ``base_url``.
+
+    Registers the byte-level tokenizer with the cookbook's registry (so ``get_tokenizer`` needs no
+    download) and empties ``log_dir`` (the cookbook would resume an old run from its checkpoints).
+    """
+    os.environ.setdefault("TINKER_API_KEY", "tml-local-demo")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    tokenizer_utils.register_tokenizer(BASE_MODEL, byte_tokenizer)
+    if log_dir.exists():
+        shutil.rmtree(log_dir)
+    return train.Config(
+        learning_rate=learning_rate,
+        dataset_builder=LettersDatasetBuilder(batches=steps),
+        stream_minibatch_config=(train.StreamMinibatchConfig(groups_per_batch=GROUPS_PER_BATCH,
+                                                             num_minibatches=minibatches)
+                                 if minibatches > 1 else None),
+        model_name=BASE_MODEL,
+        recipe_name="tinker-server-letters",
+        max_tokens=ACTION_TOKENS,
+        log_path=str(log_dir),
+        base_url=base_url,
+        lora_rank=lora_rank,
+        loss_fn="importance_sampling",
+        remove_constant_reward_groups=True,
+        eval_every=0,
+        save_every=0,
+        num_groups_to_log=0,
+        rollout_json_export=False,
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--base-url", required=True)
@@ -144,33 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--verbose", action="store_true", help="keep the cookbook's own console log")
     args = parser.parse_args(argv)
 
-    os.environ.setdefault("TINKER_API_KEY", "tml-local-demo")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    # The cookbook asks its tokenizer registry first: the byte-level model needs no download.
-    tokenizer_utils.register_tokenizer(BASE_MODEL, byte_tokenizer)
-    if args.log_dir.exists():
-        import shutil
-
-        shutil.rmtree(args.log_dir)  # the cookbook would resume from an old run's checkpoints
-    config = train.Config(
-        learning_rate=args.learning_rate,
-        dataset_builder=LettersDatasetBuilder(batches=args.steps),
-        stream_minibatch_config=(train.StreamMinibatchConfig(groups_per_batch=GROUPS_PER_BATCH,
-                                                             num_minibatches=args.minibatches)
-                                 if args.minibatches > 1 else None),
-        model_name=BASE_MODEL,
-        recipe_name="tinker-server-letters",
-        max_tokens=ACTION_TOKENS,
-        log_path=str(args.log_dir),
-        base_url=args.base_url,
-        lora_rank=args.lora_rank,
-        loss_fn="importance_sampling",
-        remove_constant_reward_groups=True,
-        eval_every=0,
-        save_every=0,
-        num_groups_to_log=0,
-        rollout_json_export=False,
-    )
+    config = make_config(args.base_url, args.log_dir, args.steps, args.learning_rate, args.lora_rank, args.minibatches)
     start = time.monotonic()
     print(f"[rl] tinker {tinker.__version__}, tinker-cookbook RL loop on {BASE_MODEL} (LoRA rank {args.lora_rank}): "
           f"reward = fraction of lowercase letters in {ACTION_TOKENS} sampled bytes", flush=True)
