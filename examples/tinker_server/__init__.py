@@ -2,10 +2,13 @@
 
 Layers, each its own module:
 
-- ``wire``: Tinker's wire formats (the SDK's own protobuf modules), validation, result encoding.
+- ``wire`` / ``sampling``: Tinker's wire formats (the SDK's own protobuf modules), validation, result encoding.
 - ``scheduler``: futures, strict per-model ``seq_id`` order, idempotent retries.
-- ``api``: the HTTP endpoints the official ``tinker`` SDK calls (rank 0, loopback only).
+- ``api``: the HTTP endpoints the official ``tinker`` SDK (and tinker-cookbook) call, on rank 0.
 - ``worker``: DeepSpeed engines in unmanaged mode, one per training model, on every rank.
-- ``server`` / ``launch``: the rank processes and how they are started and stopped.
-- ``model``: the small byte-level models and the cross-entropy SUM loss.
+- ``losses``: ``cross_entropy``, ``importance_sampling``, ``ppo``, ``cispo``, each a SUM over tokens.
+- ``sampler``: weight snapshots and generation on plain copies of the model, on every rank.
+- ``server`` / ``launch``: the rank processes (any launcher; gloo/CPU or NCCL/GPU) and the local launcher.
+- ``model`` / ``byte_tokenizer``: the byte-level models, local Hugging Face models, LoRA; a tokenizer for clients.
+- ``sft_client`` / ``rl_client``: the demos' clients.
 """
