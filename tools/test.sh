@@ -67,6 +67,9 @@ ds_series_setup() {
     "${pip[@]}" torch==2.13.0
     _ds_series_log "installing ${DS_SERIES_REQUIREMENTS[*]}"
     "${pip[@]}" "${reqs[@]}"
+    # tinker-cookbook declares a dependency the index cannot satisfy; tinker-client.txt pins what it needs.
+    _ds_series_log "installing requirements/tinker-cookbook.txt (--no-deps)"
+    "${pip[@]}" --no-deps -r "$DS_SERIES_ROOT/requirements/tinker-cookbook.txt"
     _ds_series_log "installing this project: pip install . (DeepSpeed 0.19.3 + the patch series)"
     (cd "$DS_SERIES_ROOT" && "${pip[@]}" --force-reinstall --no-deps .)
     local got
