@@ -12,7 +12,6 @@ import json
 import os
 import queue
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -21,8 +20,9 @@ import time
 from pathlib import Path
 from typing import List, Optional
 
+from examples.ranks import MASTER_ADDR, free_port, rank_env
+
 ROOT = Path(__file__).resolve().parent.parent
-MASTER_ADDR = "127.0.0.1"
 
 
 class LaunchError(RuntimeError):
@@ -43,12 +43,6 @@ def remove_shm_buffers(addr: str, port: int, world_size: int) -> None:
             pass
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 class _Host:
     """One rank host process and a thread that queues the JSON lines it prints."""
 
@@ -56,20 +50,11 @@ class _Host:
         self.rank = rank
         self.log_path = log_path
         self.log = open(log_path, "w")
-        child_env = dict(os.environ)
-        child_env.update(env)
-        child_env.update({
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": str(world_size),
-            "LOCAL_SIZE": str(world_size),
-            "LOCAL_WORLD_SIZE": str(world_size),
-            "MASTER_ADDR": MASTER_ADDR,
-            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), child_env.get("PYTHONPATH")])),
-        })
-        if device == "cpu":
-            child_env["DS_ACCELERATOR"] = "cpu"
-        else:
+        # Each trial sets MASTER_PORT. Torch's default thread count, as in the committed measurements.
+        child_env = rank_env(rank, world_size, None, cpu=device == "cpu", share_cores=False,
+                             base={**os.environ, **env})
+        child_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), child_env.get("PYTHONPATH")]))
+        if device != "cpu":
             # Let the host ask whether CUDA exists without creating a CUDA context its forked trials inherit.
             child_env.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
         command = [sys.executable, "-m", "benchmarks.worker"]

@@ -14,10 +14,10 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import socket
 
 import torch
 import torch.multiprocessing as mp
+from ranks import disable_cpu_shm_allreduce, free_port, rank_env  # examples/ranks.py, beside this file
 
 MICRO_BATCH = 4
 FEATURES = 16
@@ -53,15 +53,11 @@ def micro_batch(step: int, index: int, rank: int) -> tuple[torch.Tensor, torch.T
 
 
 def rank_main(rank: int, world_size: int, port: int, steps: int) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_SIZE=str(world_size),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    os.environ.update(rank_env(rank, world_size, port, cpu=True))
     import deepspeed
     from deepspeed.utils import logger
     logger.setLevel("WARNING")
-    # DeepSpeed's CPU shared-memory all-reduce op serves inference only and never unlinks its 64 MiB
-    # /dev/shm buffer per rank: keep it out of these gloo ranks.
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    disable_cpu_shm_allreduce()
     deepspeed.init_distributed(dist_backend="gloo")
 
     unmanaged, managed = make_engine(managed=False), make_engine(managed=True)
@@ -93,12 +89,6 @@ def rank_main(rank: int, world_size: int, port: int, steps: int) -> None:
         if not same:
             raise SystemExit(f"rank {rank}: unmanaged and managed engines diverged at step {step}")
     deepspeed.comm.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main() -> None:

@@ -12,20 +12,16 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from .. import ranks
+from ..ranks import free_port  # noqa: F401 - re-exported for the server's tests
+
 ROOT = Path(__file__).resolve().parents[2]  # the repository: `python -m examples.tinker_server` runs from here
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def cuda_device_count() -> int:
@@ -36,23 +32,9 @@ def cuda_device_count() -> int:
 
 
 def rank_env(rank: int, world_size: int, master_port: int, cpu: bool = True) -> dict[str, str]:
-    env = dict(os.environ)
-    env.update({
-        "RANK": str(rank),
-        "WORLD_SIZE": str(world_size),
-        "LOCAL_RANK": str(rank),
-        "LOCAL_SIZE": str(world_size),
-        "LOCAL_WORLD_SIZE": str(world_size),
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(master_port),
-        "PYTHONUNBUFFERED": "1",
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])),
-    })
-    if cpu:
-        env.setdefault("DS_ACCELERATOR", "cpu")
+    env = ranks.rank_env(rank, world_size, master_port, cpu=cpu)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     env.setdefault("HF_HUB_OFFLINE", "1")  # models come from local configs; never reach for a hub
-    # W ranks on few cores: share the cores instead of each rank starting one thread per core.
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world_size)))
     return env
 
 

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..ranks import disable_cpu_shm_allreduce
 from .api import ApiSettings, TinkerApi, start_http
 from .byte_tokenizer import write_byte_tokenizer
 from .model import register_local_model
@@ -166,9 +167,7 @@ def run_rank(options: RankOptions) -> int:
     from deepspeed.utils import logger as ds_logger
 
     ds_logger.setLevel(logging.WARNING)
-    # DeepSpeed's CPU shared-memory all-reduce op serves inference only and never unlinks its 64 MiB
-    # /dev/shm buffer per rank: keep it out of these gloo ranks.
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    disable_cpu_shm_allreduce()
     deepspeed.init_distributed(dist_backend=backend)
     worker = Worker(dist.get_rank(), dist.get_world_size(), options.zero_stage, device)
     try:

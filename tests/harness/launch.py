@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import functools
 import os
-import socket
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:  # the shared launch helpers live in the repository's examples/
+    sys.path.insert(0, str(ROOT))
+
+from examples import ranks  # noqa: E402
+from examples.ranks import free_port  # noqa: E402,F401 - the harness's port source
 
 
 @functools.lru_cache(maxsize=None)
@@ -26,33 +34,8 @@ def max_world_size() -> int | None:
     return n if n > 0 else None
 
 
-def free_port() -> int:
-    """A TCP port that was free a moment ago (the pool retries if another process takes it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def rank_env(rank: int, world_size: int, port: int, backend_name: str) -> dict[str, str]:
-    """Environment for one rank: the variables DeepSpeed and torch.distributed read at init.
-
-    DeepSpeed's CPU accelerator reports ``device_count()`` from LOCAL_SIZE, so it must equal
-    the world size for single-node runs. DS_ACCELERATOR is forced to ``cpu`` without GPUs so
-    DeepSpeed does not probe for other accelerators.
-    """
-    env = dict(os.environ)
-    env.update({
-        "RANK": str(rank),
-        "WORLD_SIZE": str(world_size),
-        "LOCAL_RANK": str(rank),
-        "LOCAL_SIZE": str(world_size),
-        "LOCAL_WORLD_SIZE": str(world_size),
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(port),
-        "PYTHONUNBUFFERED": "1",  # rank output interleaves correctly with tracebacks in the log
-    })
-    if backend_name != "nccl":
-        env["DS_ACCELERATOR"] = "cpu"
-    # W ranks on few cores: one intra-op thread pool per core, not per rank, avoids oversubscription.
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world_size)))
+    """Environment for one rank (``examples/ranks.py``), with the repository importable on the rank."""
+    env = ranks.rank_env(rank, world_size, port, cpu=backend_name != "nccl")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     return env

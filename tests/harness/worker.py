@@ -92,21 +92,6 @@ def _exit_with_parent() -> None:
     threading.Thread(target=watch, name="harness-parent-watch", daemon=True).start()
 
 
-def _disable_cpu_shm_allreduce() -> None:
-    """Keep DeepSpeed's CPU shared-memory all-reduce op out of test ranks.
-
-    The op (used only by ``inference_all_reduce``) maps a 64 MiB ``/dev/shm`` buffer per rank and never
-    unlinks it, so ranks that are killed or restarted would fill ``/dev/shm`` over a long run; it also
-    costs a JIT build. Training collectives go through gloo either way.
-    """
-    import deepspeed.ops
-    from deepspeed.accelerator import get_accelerator
-
-    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
-    if builder is not None:
-        deepspeed.ops.__compatible_ops__[builder.NAME] = False
-
-
 def _init_process_group() -> dict[str, Any]:
     """Initialise once per pool, via deepspeed.comm unless the pool is a torch-only one.
 
@@ -129,7 +114,9 @@ def _init_process_group() -> dict[str, Any]:
         if backend == "nccl":
             get_accelerator().set_device(local_rank)
         else:
-            _disable_cpu_shm_allreduce()
+            from examples.ranks import disable_cpu_shm_allreduce
+
+            disable_cpu_shm_allreduce()
         ds_comm.init_distributed(dist_backend=backend, verbose=False)
         via = f"deepspeed.comm (deepspeed {deepspeed.__version__})"
     else:

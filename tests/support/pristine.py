@@ -116,7 +116,7 @@ def _compute(world_size: int) -> dict[str, list[dict[str, Any]]]:
         procs = []
         for rank in range(world_size):
             env = launch.rank_env(rank, world_size, port, backend)
-            env["PYTHONPATH"] = os.pathsep.join([str(tree), str(TESTS)])
+            env["PYTHONPATH"] = os.pathsep.join([str(tree), str(TESTS), str(ROOT)])
             env["TORCH_EXTENSIONS_DIR"] = str(tree.parent / "torch_extensions")
             log = open(Path(tmp) / f"rank{rank}.log", "wb")
             procs.append((subprocess.Popen([sys.executable, "-m", "support.pristine", tmp,
@@ -168,7 +168,8 @@ def _rank_main(out: str, tree: str, backend: str) -> None:
     if not deepspeed.__file__.startswith(tree):
         raise RuntimeError(f"imported {deepspeed.__file__}, not the reference tree {tree}")
     from harness.runner import SETTINGS
-    from harness.worker import _disable_cpu_shm_allreduce, _reset_state
+    from examples.ranks import disable_cpu_shm_allreduce
+    from harness.worker import _reset_state
     from support.reference_run import CASES, fixed_run
 
     if backend == "nccl":
@@ -176,7 +177,7 @@ def _rank_main(out: str, tree: str, backend: str) -> None:
 
         get_accelerator().set_device(int(os.environ["LOCAL_RANK"]))
     else:
-        _disable_cpu_shm_allreduce()
+        disable_cpu_shm_allreduce()
     deepspeed.init_distributed(dist_backend=backend, verbose=False)
     workdir = Path(out, "work")
     results = {}

@@ -18,6 +18,8 @@ from harness import RankError, RankTimeout, run_on_ranks
 from harness.pools import live_pids
 
 TESTS_DIR = Path(__file__).resolve().parent.parent
+#: A copied harness still takes its launch helpers from the repository's examples/ranks.py.
+REPO_PATH = {"PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS_DIR.parent), os.environ.get("PYTHONPATH")]))}
 
 # -- bodies (module level: ranks import them by name) ------------------------------------------
 
@@ -240,24 +242,24 @@ def test_pytest_integration(tmp_path):
         def test_ranks(dist):
             assert dist.run(_rank) == list(range(dist.world_size))
 
-        @pytest.mark.pr(1)
+        @pytest.mark.pr("feature-a")
         @pytest.mark.world_size(2)
         def test_boom(dist):
             dist.run(_boom)
 
-        @pytest.mark.pr(2)
+        @pytest.mark.pr("feature-b")
         def test_skip(dist):
             dist.run(_skip)
 
-        @pytest.mark.pr(3)
+        @pytest.mark.pr("feature-c")
         def test_later_pr():
             pass
     """))
     cmd = [
-        sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-rs", "--upto", "2", "--world-sizes", "1,2",
+        sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-rs", "--upto", "3", "--world-sizes", "1,2",
         str(tmp_path)
     ]
-    env = dict(os.environ, DS_HARNESS_INIT="torch")
+    env = dict(os.environ, **REPO_PATH, DS_HARNESS_INIT="torch", DS_SERIES_FILE=str(_sample_series(tmp_path)))
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1, out
@@ -266,3 +268,73 @@ def test_pytest_integration(tmp_path):
     assert "===== rank 1 traceback =====" in out and "in _boom" in out
     assert "all 2 ranks skipped: not here" in out
     assert "PytestUnknownMarkWarning" not in out
+
+
+def _sample_series(folder):
+    series = folder / "series"
+    series.write_text("# sample\nfix-thing Fix a thing\nfeature-a A\nfeature-b B\nfeature-c C\n")
+    return series
+
+
+def _child_pytest(folder, *args, installed_version=None):
+    """A child pytest with the repository's conftest and harness, the sample series and, optionally, a
+    stand-in distribution metadata so that ``deepspeed`` looks installed at ``installed_version``."""
+    shutil.copy(TESTS_DIR / "conftest.py", folder / "conftest.py")
+    shutil.copytree(TESTS_DIR / "harness", folder / "harness", ignore=shutil.ignore_patterns("__pycache__"))
+    if installed_version is not None:
+        info = folder / f"deepspeed-{installed_version}.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: deepspeed\nVersion: {installed_version}\n")
+    env = dict(os.environ, **REPO_PATH, DS_HARNESS_INIT="torch", DS_SERIES_FILE=str(_sample_series(folder)))
+    cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-rxXs", *args, str(folder)]
+    proc = subprocess.run(cmd, cwd=folder, env=env, capture_output=True, text=True, timeout=240)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+REGRESSION_SAMPLE = textwrap.dedent("""
+    import pytest
+
+    @pytest.mark.pr("fix-thing")
+    def test_regression_fails_without_the_fix():
+        assert {fails}
+
+    @pytest.mark.pr("feature-a")
+    def test_feature():
+        assert False, "not selected on pristine"
+
+    def test_tooling():
+        assert False, "not selected on pristine"
+""")
+
+
+def test_regressions_on_pristine_select_fix_prs_as_strict_xfail(tmp_path):
+    (tmp_path / "test_sample.py").write_text(REGRESSION_SAMPLE.format(fails="False"))
+    rc, out = _child_pytest(tmp_path, "--regressions-on-pristine", installed_version="0.19.3+unmanagedga.0")
+    assert rc == 0, out
+    assert "2 deselected, 1 xfailed" in out, out
+    assert "regression tests of fix-thing, expected to fail" in out, out
+
+
+def test_regressions_on_pristine_fail_when_a_regression_test_passes(tmp_path):
+    (tmp_path / "test_sample.py").write_text(REGRESSION_SAMPLE.format(fails="True"))
+    rc, out = _child_pytest(tmp_path, "--regressions-on-pristine", installed_version="0.19.3")
+    assert rc == 1, out
+    assert "1 failed, 2 deselected" in out and "XPASS(strict)" in out, out
+
+
+def test_regressions_on_pristine_refuse_a_patched_deepspeed(tmp_path):
+    (tmp_path / "test_sample.py").write_text(REGRESSION_SAMPLE.format(fails="False"))
+    rc, out = _child_pytest(tmp_path, "--regressions-on-pristine", installed_version="0.19.3+unmanagedga.4")
+    assert rc != 0 and "needs DeepSpeed without the series" in out and "0.19.3+unmanagedga.4" in out, out
+
+
+def test_pr_markers_name_prs_of_the_series(tmp_path):
+    old, named = tmp_path / "old", tmp_path / "named"
+    old.mkdir()
+    named.mkdir()
+    (old / "test_sample.py").write_text("import pytest\n\n@pytest.mark.pr(2)\ndef test_old():\n    pass\n")
+    rc, out = _child_pytest(old)
+    assert rc != 0 and "use @pytest.mark.pr(name) with a short name from patches/series" in out, out
+    (named / "test_sample.py").write_text(REGRESSION_SAMPLE.format(fails="True"))
+    rc, out = _child_pytest(named, "--upto", "feature-a", "-k", "regression or feature")
+    assert rc == 1 and "1 failed, 1 passed, 1 deselected" in out, out
