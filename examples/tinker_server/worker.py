@@ -35,9 +35,6 @@ def ds_config(zero_stage: int) -> dict[str, Any]:
     zero: dict[str, Any] = {"stage": zero_stage}
     if zero_stage == 3:
         zero["stage3_gather_16bit_weights_on_model_save"] = True  # so save_weights can export
-        # DeepSpeed 0.19.3 re-gathers persistent parameters after a step with async all-gathers and waits for
-        # the last one only; gloo may finish them out of order, so gather sequentially on CPU ranks.
-        zero["stage3_allgather_sequential"] = True
     return {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
