@@ -20,18 +20,45 @@ if _HERE not in sys.path:
 
 from harness import SETTINGS, Dist, shutdown_pools  # noqa: E402
 
-MAX_PR = 5
+#: patches/series, read directly (the order of the PRs; tools/stack.py parses the same format); env
+#: DS_SERIES_FILE names another one.
+SERIES_FILE = Path(os.environ.get("DS_SERIES_FILE") or Path(__file__).resolve().parent.parent / "patches" / "series")
+#: Bug-fix PRs are named ``fix-...`` and lead the series: the prefix they form is 0.19.3 plus bug fixes only.
+FIX_PREFIX = "fix-"
 DEFAULT_WORLD_SIZE = 2
+#: Versions of a DeepSpeed without any PR of the series (``stack.py install --upto 0`` gives the second).
+PRISTINE_VERSIONS = ("0.19.3", "0.19.3+unmanagedga.0")
+
+
+def read_series(series_file: Path = SERIES_FILE) -> list[str]:
+    """The PRs' short names in stack order (index 0 is PR 1)."""
+    names = []
+    for line in series_file.read_text(encoding="utf-8").splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            names.append(line.split(maxsplit=1)[0])
+    return names
+
+
+SERIES = read_series()
+MAX_PR = len(SERIES)
+PR_INDEX = {name: index for index, name in enumerate(SERIES, start=1)}
+FIX_PRS = [name for name in SERIES if name.startswith(FIX_PREFIX)]
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("ds-series", "DeepSpeed patch series")
     group.addoption("--upto",
-                    type=int,
                     default=None,
                     metavar="K",
-                    help=f"run only tests of PRs 0..K (0 = tooling, 1..{MAX_PR} = the series); "
-                    "env DS_SERIES_UPTO; default: all")
+                    help=f"run only tests of PRs 0..K, K a position in patches/series (0 = tooling, 1..{MAX_PR}) "
+                    "or a PR short name; env DS_SERIES_UPTO; default: all")
+    group.addoption("--regressions-on-pristine",
+                    action="store_true",
+                    default=False,
+                    help="run only the regression tests of the bug-fix PRs (fix-*), each as a strict expected "
+                    "failure: against DeepSpeed without the series (stack.py install --upto 0) this passes only "
+                    "if every one of them fails there")
     group.addoption("--world-sizes",
                     default=None,
                     metavar="LIST",
@@ -47,7 +74,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
-        "markers", f"pr(K): the test belongs to PR K (1..{MAX_PR}) of the series; "
+        "markers", "pr(name): the test belongs to the PR of patches/series with this short name; "
         "unmarked tests are tooling (PR 0)")
     config.addinivalue_line(
         "markers", "world_size(*sizes): run the test once per world size through the "
@@ -60,13 +87,18 @@ def pytest_configure(config: pytest.Config) -> None:
 def _upto(config: pytest.Config) -> int | None:
     value = config.getoption("upto")
     if value is None and os.environ.get("DS_SERIES_UPTO", "").strip():
-        try:
-            value = int(os.environ["DS_SERIES_UPTO"])
-        except ValueError:
-            raise pytest.UsageError(f"DS_SERIES_UPTO must be an integer, got {os.environ['DS_SERIES_UPTO']!r}")
-    if value is not None and not 0 <= value <= MAX_PR:
-        raise pytest.UsageError(f"--upto must be in 0..{MAX_PR}, got {value}")
-    return value
+        value = os.environ["DS_SERIES_UPTO"].strip()
+    if value is None:
+        return None
+    if value in PR_INDEX:
+        return PR_INDEX[value]
+    try:
+        upto = int(value)
+    except ValueError:
+        raise pytest.UsageError(f"--upto takes 0..{MAX_PR} or a PR short name of patches/series, got {value!r}")
+    if not 0 <= upto <= MAX_PR:
+        raise pytest.UsageError(f"--upto must be in 0..{MAX_PR}, got {upto}")
+    return upto
 
 
 def _world_sizes(config: pytest.Config) -> set[int] | None:
@@ -82,14 +114,32 @@ def _world_sizes(config: pytest.Config) -> set[int] | None:
     return sizes
 
 
-def pr_of(item: pytest.Item) -> int:
-    """The PR a test belongs to: its closest ``pr`` marker, else 0 (tooling)."""
+def pr_name_of(item: pytest.Item) -> str | None:
+    """The short name of the PR a test belongs to (its closest ``pr`` marker), None for tooling."""
     marker = item.get_closest_marker("pr")
     if marker is None:
-        return 0
-    if len(marker.args) != 1 or not isinstance(marker.args[0], int) or not 1 <= marker.args[0] <= MAX_PR:
-        raise pytest.UsageError(f"{item.nodeid}: use @pytest.mark.pr(K) with K in 1..{MAX_PR}, got {marker}")
+        return None
+    if len(marker.args) != 1 or marker.args[0] not in PR_INDEX:
+        raise pytest.UsageError(f"{item.nodeid}: use @pytest.mark.pr(name) with a short name from patches/series "
+                                f"({', '.join(SERIES)}), got {marker}")
     return marker.args[0]
+
+
+def pr_of(item: pytest.Item) -> int:
+    """The position in the series of the PR a test belongs to, 0 for tooling."""
+    name = pr_name_of(item)
+    return 0 if name is None else PR_INDEX[name]
+
+
+def _check_pristine() -> None:
+    try:
+        version = importlib.metadata.version("deepspeed")
+    except importlib.metadata.PackageNotFoundError:
+        version = "not installed"
+    if version not in PRISTINE_VERSIONS:
+        raise pytest.UsageError(f"--regressions-on-pristine needs DeepSpeed without the series "
+                                f"({' or '.join(PRISTINE_VERSIONS)}; `python tools/stack.py install --upto 0`), "
+                                f"found deepspeed {version}")
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -105,16 +155,25 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     upto = _upto(config)
     sizes = _world_sizes(config)
+    on_pristine = config.getoption("regressions_on_pristine")
+    if on_pristine:
+        _check_pristine()
     keep, drop = [], []
     for item in items:
         callspec = getattr(item, "callspec", None)
         world_size = callspec.params.get("dist") if callspec is not None else None
-        if (upto is not None and pr_of(item) > upto) or (sizes is not None and world_size is not None
-                                                         and world_size not in sizes):
-            drop.append(item)
+        name = pr_name_of(item)  # validates every marker
+        if on_pristine:
+            wanted = name is not None and name.startswith(FIX_PREFIX)
         else:
-            pr_of(item)  # validate markers of kept tests too
-            keep.append(item)
+            wanted = upto is None or pr_of(item) <= upto
+        if not wanted or (sizes is not None and world_size is not None and world_size not in sizes):
+            drop.append(item)
+            continue
+        if on_pristine:
+            item.add_marker(
+                pytest.mark.xfail(strict=True, reason=f"{name}: a regression test must fail without the fix"))
+        keep.append(item)
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep
@@ -150,8 +209,12 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
 
     upto = _upto(config)
     sizes = _world_sizes(config)
+    if config.getoption("regressions_on_pristine"):
+        selection = f"regression tests of {', '.join(FIX_PRS) or 'no bug-fix PR'}, expected to fail"
+    else:
+        selection = f"PRs 0..{MAX_PR if upto is None else upto} ({', '.join(SERIES[:upto]) or 'tooling only'})"
     return [
-        f"series: PRs 0..{MAX_PR if upto is None else upto}; world sizes: "
+        f"series: {selection}; world sizes: "
         f"{'as marked' if sizes is None else ','.join(map(str, sorted(sizes)))}; "
         f"rank timeout: {SETTINGS.timeout:g} s",
         f"torch {version('torch')}, deepspeed {version('deepspeed')}",

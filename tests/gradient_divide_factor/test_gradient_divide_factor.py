@@ -4,7 +4,7 @@ import pytest
 
 from support import scenarios
 
-pytestmark = pytest.mark.pr(5)
+pytestmark = pytest.mark.pr("gradient-divide-factor")
 
 #: Every way the factor is applied: folded into the loss-scale division of the ZeRO optimizers (fp32, bf16,
 #: fp16, CPU and NVMe offload) and of the fused FP16 optimizer; folded into the averaging of the step's
@@ -50,4 +50,44 @@ def test_invalid_factors_and_managed_mode_are_errors(dist):
 
 @pytest.mark.world_size(1, 2)
 def test_gas_scaling_mismatch_warns_once_exactly_when_it_should(dist):
-    assert dist.run(scenarios.gas_scaling_mismatch_warnings, "zero1-fp32")[0] == [0, 0, 0, 1, 0]
+    counts = dist.run(scenarios.gas_scaling_mismatch_warnings, "zero1-fp32")
+    assert counts == [[0, 0, 0, 1, 0]] + [[0] * 5] * (dist.world_size - 1), "once, on rank 0 only"
+
+
+@pytest.mark.world_size(2)
+@pytest.mark.parametrize("path_name", ["fp32-deepspeed-optimizer", "zero2-fp32", "zero3-fp32"])
+def test_a_factor_wrong_on_one_rank_raises_on_every_rank(dist, path_name):
+    messages = dist.run(scenarios.factor_errors_on_one_rank, path_name)
+    assert "got a tensor of shape (2,)" in messages[0][0] and "invalid on another" in messages[1][0]
+    assert "positive and finite" in messages[0][1] and "invalid on another" in messages[1][1]
+    assert messages[0][2] == messages[1][2]
+
+
+def _hybrid_engine_takes_the_factor() -> None:
+    """DeepSpeedHybridEngine (RLHF) overrides step(): it must take and forward the factor. Its step() body is
+    run on an unmanaged engine with the hybrid engine's inference state empty (building a real hybrid engine
+    needs an inference-capable model), against the plain engine's step()."""
+    import torch
+
+    from deepspeed.runtime.hybrid_engine import DeepSpeedHybridEngine
+    from support.paths import PATHS
+    from support.training import destroy, forward_loss, snapshot
+
+    results = []
+    for hybrid in (True, False):
+        engine = PATHS["zero2-fp32"].initialize(gas=1, managed=False)
+        for i in range(3):
+            engine.backward(forward_loss(engine, 0, i), scale_wrt_gas=False)
+        if hybrid:
+            engine.__class__ = DeepSpeedHybridEngine
+            engine._inference_containers, engine.Z3_enabled, engine._training_start_time = [], False, None
+        engine.step(gradient_divide_factor=torch.tensor(6.0))
+        results.append(snapshot(engine).params)
+        destroy(engine)
+    for name, p in results[1].items():
+        assert torch.equal(results[0][name], p), name
+
+
+@pytest.mark.world_size(2)
+def test_hybrid_engine_step_takes_the_factor(dist):
+    dist.run(_hybrid_engine_takes_the_factor)

@@ -7,11 +7,12 @@ import pytest
 from .paths import PATHS
 
 
-def pr_of(path_name: str) -> int:
-    """PR 1 brings stages 0/1, PR 2 stage 2, PR 3 stage 3, PR 4 offload."""
+def pr_of(path_name: str) -> str:
+    """The PR that supports a path: zero-0-1 brings stages 0/1, zero-2 stage 2, zero-3 stage 3, zero-offload
+    offload."""
     if "offload" in path_name:
-        return 4
-    return {0: 1, 1: 1, 2: 2, 3: 3}[PATHS[path_name].stage]
+        return "zero-offload"
+    return {0: "zero-0-1", 1: "zero-0-1", 2: "zero-2", 3: "zero-3"}[PATHS[path_name].stage]
 
 
 def cases(*path_names: str) -> list:

@@ -485,3 +485,22 @@ def gas_scaling_mismatch_warnings(path_name: str) -> list:
         return counts
     finally:
         logger.warning = original
+
+
+def factor_errors_on_one_rank(path_name: str) -> list:
+    """A factor that only one rank gets wrong (bad shape, not positive, missing): every rank raises, none hangs
+    in a collective its peers never join."""
+    engine = PATHS[path_name].initialize(gas=1, managed=False)
+    rank = ds_comm.get_rank()
+    messages = []
+    for bad, match in ((torch.tensor([2.0, 2.0]), "gradient_divide_factor"), (-1.0, "gradient_divide_factor"),
+                       (None, "on every data-parallel rank or on none")):
+        engine.backward(forward_loss(engine, 0, 0))
+        with pytest.raises(ValueError, match=match) as error:
+            engine.step(gradient_divide_factor=bad if rank == 0 else 4.0)
+        messages.append(str(error.value))
+        engine.zero_grad()
+    engine.backward(forward_loss(engine, 0, 0))
+    engine.step(gradient_divide_factor=4.0)  # the engine is still usable
+    destroy(engine)
+    return messages

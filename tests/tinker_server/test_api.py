@@ -18,7 +18,7 @@ from examples.tinker_server.api import ApiSettings, TinkerApi  # noqa: E402
 from examples.tinker_server.scheduler import FutureStore, Scheduler  # noqa: E402
 from examples.tinker_server.wire import FwdBwdResult  # noqa: E402
 
-pytestmark = pytest.mark.pr(1)
+pytestmark = pytest.mark.pr("zero-0-1")
 KEY = {"x-api-key": "tml-test"}
 
 

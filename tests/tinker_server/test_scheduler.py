@@ -9,7 +9,7 @@ import pytest
 
 from examples.tinker_server.scheduler import FutureStore, Scheduler
 
-pytestmark = pytest.mark.pr(1)
+pytestmark = pytest.mark.pr("zero-0-1")
 
 
 def drain(scheduler: Scheduler) -> list[tuple[str, str, object]]:

@@ -26,7 +26,7 @@ from examples.tinker_server.model import LoraSpec  # noqa: E402
 from tinker_sdk_helpers import (API_KEY, RESULT_TIMEOUT_S, PlainReplay, adam, fwdbwd_proto,  # noqa: E402
                                 max_weight_difference, poll_once, post, random_data, result, saved_weights, to_sdk)
 
-pytestmark = pytest.mark.pr(1)
+pytestmark = pytest.mark.pr("zero-0-1")
 
 WEIGHT_ATOL = 2e-5
 LOGPROB_ATOL = 1e-4

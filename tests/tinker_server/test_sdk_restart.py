@@ -16,7 +16,7 @@ from tinker import types  # noqa: E402
 from tinker_sdk_helpers import (API_KEY, RESULT_TIMEOUT_S, adam, random_data, saved_weights,  # noqa: E402
                                 start_server, stop_server, to_sdk, unmanaged_stage_supported)
 
-pytestmark = pytest.mark.pr(1)
+pytestmark = pytest.mark.pr("zero-0-1")
 
 
 def train_step(training, batches: list, params: dict[str, float]) -> dict[str, float]:

@@ -15,7 +15,7 @@ from tinker.proto.response_conv import deserialize_forward_backward_output  # no
 from examples.tinker_server.wire import (FwdBwdResult, UserError, check_against_model,  # noqa: E402
                                          decode_forward_backward, encode_forward_backward_output)
 
-pytestmark = pytest.mark.pr(1)
+pytestmark = pytest.mark.pr("zero-0-1")
 PROTO = "application/x-protobuf"
 
 

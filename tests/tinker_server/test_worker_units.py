@@ -16,7 +16,7 @@ from examples.tinker_server.model import LoraSpec, build_model, cross_entropy_su
 from examples.tinker_server.wire import Datum  # noqa: E402
 from examples.tinker_server.worker import apply_step_hyperparameters, pad_batch, share, sum_over_ranks  # noqa: E402
 
-pytestmark = pytest.mark.pr(1)
+pytestmark = pytest.mark.pr("zero-0-1")
 
 
 def test_shares_cover_every_datum_once_in_order() -> None:

@@ -6,7 +6,7 @@ import torch
 from support.paths import PATHS as ZERO_0_1_PATHS
 from support.training import backward, base_config, destroy, forward_loss, initialize, run_unmanaged
 
-pytestmark = [pytest.mark.pr(1), pytest.mark.world_size(1, 2)]
+pytestmark = [pytest.mark.pr("zero-0-1"), pytest.mark.world_size(1, 2)]
 
 FLAG = "managed_gradient_accumulation"
 
@@ -127,3 +127,143 @@ def _runtime_errors_body(path_name: str, save_dir: str) -> None:
 @pytest.mark.parametrize("path_name", ["fp32-deepspeed-optimizer", "zero1-fp32"])
 def test_misuse_at_runtime_raises_clear_errors(dist, path_name, tmp_path):
     dist.run(_runtime_errors_body, path_name, str(tmp_path))
+
+
+# -- errors that depend on per-rank state: raised on every rank together, never a hang ----------------------
+def _count_all_reduces():
+    """A context counting deepspeed.comm.all_reduce calls (the step's checks use one)."""
+    import contextlib
+
+    import deepspeed.comm as ds_comm
+
+    @contextlib.contextmanager
+    def counting():
+        calls = []
+        original = ds_comm.all_reduce
+
+        def all_reduce(*args, **kwargs):
+            calls.append(1)
+            return original(*args, **kwargs)
+
+        ds_comm.all_reduce = all_reduce
+        try:
+            yield calls
+        finally:
+            ds_comm.all_reduce = original
+
+    return counting()
+
+
+def _per_rank_state_errors_body(path_name: str, save_dir: str) -> list:
+    import deepspeed.comm as ds_comm
+
+    rank = ds_comm.get_rank()
+    engine = ZERO_0_1_PATHS[path_name].initialize(gas=1, managed=False)
+    messages = []
+    # step() with no backward on rank 0 only
+    if rank != 0:
+        backward(engine, forward_loss(engine, 0, 0))
+    with pytest.raises(RuntimeError, match=f"{FLAG}=false") as error:
+        engine.step()
+    messages.append(str(error.value))
+    engine.zero_grad()
+    # a count that differs across ranks
+    for i in range(1 + rank):
+        backward(engine, forward_loss(engine, 1, i))
+    with pytest.raises(RuntimeError, match="every rank must run the same number") as error:
+        engine.step()
+    messages.append(str(error.value))
+    engine.zero_grad()
+    # save_checkpoint() and load_checkpoint() with pending backward passes on rank 0 only
+    run_unmanaged(engine, [1])
+    engine.save_checkpoint(save_dir, tag="clean")
+    if rank == 0:
+        backward(engine, forward_loss(engine, 2, 0))
+    for call in (lambda: engine.save_checkpoint(save_dir, tag="pending"),
+                 lambda: engine.load_checkpoint(save_dir, tag="clean")):
+        with pytest.raises(RuntimeError, match="backward pass\\(es\\) since the last step\\(\\)") as error:
+            call()
+        messages.append(str(error.value))
+    engine.zero_grad()
+    engine.load_checkpoint(save_dir, tag="clean")
+    destroy(engine)
+    return messages
+
+
+# Stages 0 and 1 only: with ZeRO-2/3 every backward communicates, so ranks cannot run different numbers of
+# them in the first place (see the tutorial).
+@pytest.mark.world_size(2)
+@pytest.mark.parametrize("path_name", ["fp32-deepspeed-optimizer", "zero1-fp32"])
+def test_per_rank_state_errors_are_raised_on_every_rank(dist, path_name, tmp_path):
+    messages = dist.run(_per_rank_state_errors_body, path_name, str(tmp_path))
+    assert messages[0] == messages[1], messages
+    assert "between 0 and 1 backward() calls" in messages[0][0]
+    assert "between 1 and 2 backward() calls" in messages[0][1]
+    assert "would drop the gradients of 1 backward pass(es)" in messages[0][2]
+    assert "would apply to the loaded weights the gradients of 1 backward pass(es)" in messages[0][3]
+
+
+def _load_checkpoint_refuses_pending_body(save_dir: str) -> None:
+    engine = ZERO_0_1_PATHS["zero1-fp32"].initialize(gas=1, managed=False)
+    run_unmanaged(engine, [1])
+    engine.save_checkpoint(save_dir, tag="one")
+    backward(engine, forward_loss(engine, 5, 0))
+    with pytest.raises(RuntimeError, match=f"load_checkpoint\\(\\) with {FLAG}=false would apply"):
+        engine.load_checkpoint(save_dir, tag="one")
+    assert engine.pending_backward_count() == 1
+    destroy(engine)
+
+
+def test_load_checkpoint_with_pending_backwards_is_refused(dist, tmp_path):
+    dist.run(_load_checkpoint_refuses_pending_body, str(tmp_path))
+
+
+def _step_order_body() -> None:
+    from deepspeed.utils.timer import BACKWARD_REDUCE_GLOBAL_TIMER
+
+    engine = ZERO_0_1_PATHS["fp32-deepspeed-optimizer"].initialize(gas=1, managed=False, wall_clock_breakdown=True)
+    backward(engine, forward_loss(engine, 0, 0))
+    with _count_all_reduces() as calls:
+        with engine.no_sync():
+            with pytest.raises(RuntimeError, match=f"step\\(\\) inside no_sync\\(\\) with {FLAG}=false"):
+                engine.step()
+    assert not calls, "step() inside no_sync() communicated before raising"
+    timer, timed = engine.timers(BACKWARD_REDUCE_GLOBAL_TIMER), []
+    finalize = engine._finalize_gradient_accumulation
+
+    def observed_finalize():
+        timed.append(timer.started_)
+        return finalize()
+
+    engine._finalize_gradient_accumulation = observed_finalize
+    with _count_all_reduces() as calls:
+        engine.step()
+    assert calls, "the step must reduce"
+    assert timed == [True], "the unmanaged reduction is not timed as the backward reduction"
+    destroy(engine)
+
+
+def test_step_checks_no_sync_before_any_collective_and_times_the_reduction(dist):
+    dist.run(_step_order_body)
+
+
+def _mics_replication_body() -> None:
+    import deepspeed.comm as ds_comm
+    from deepspeed.runtime.config import DeepSpeedConfig, DeepSpeedConfigError
+
+    world = ds_comm.get_world_size()
+    for shard_size in (1, world):
+        config = base_config(1, managed=False, stage=3, zero_optimization={"mics_shard_size": shard_size})
+        if shard_size < world:
+            with pytest.raises(DeepSpeedConfigError, match=f"{FLAG}=false.*zero_optimization.mics_shard_size"):
+                DeepSpeedConfig(config)
+        else:
+            DeepSpeedConfig(config)  # one shard group: no cross-replica reduction to miss
+        config[FLAG] = True
+        DeepSpeedConfig(config)  # managed mode accepts both
+
+
+@pytest.mark.pr("zero-3")
+@pytest.mark.world_size(2)
+def test_mics_with_replication_is_rejected(dist):
+    dist.run(_mics_replication_body)

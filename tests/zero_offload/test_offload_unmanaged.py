@@ -15,7 +15,7 @@ from support.offload_paths import OFFLOAD_FP16_DYNAMIC, OFFLOAD_PATHS, ZERO3_OFF
 from support.paths import PATHS
 from support.training import assert_identical, backward, destroy, forward_loss, run_managed, run_unmanaged, snapshot
 
-pytestmark = pytest.mark.pr(4)
+pytestmark = pytest.mark.pr("zero-offload")
 PATH_NAMES = sorted(OFFLOAD_PATHS)
 SMALL = ["zero1-offload", "zero2-offload", "zero3-offload", "zero3-offload-param"]
 
@@ -144,15 +144,11 @@ def test_unused_parameters_get_no_stale_gradient(dist, stage, n):
     dist.run(_unused_parameters_get_no_stale_gradient, f"zero{stage}-offload-branchy", n)
 
 
-@pytest.mark.xfail(strict=True,
-                   reason="ZeRO-3 itself (no offload, managed mode too) leaks stale gradients: partition_grads() "
-                   "accumulates a parameter's first gradient of a step into its gradient partition when "
-                   "micro_step_id > 0, and averaged_gradients keeps the partition of a parameter with no "
-                   "gradient in the step; offload inherits both")
-@pytest.mark.world_size(1)
+@pytest.mark.world_size(1, 2)
 @pytest.mark.parametrize("n", [1, 3])
 def test_unused_parameters_get_no_stale_gradient_zero3(dist, n):
-    # Against ZeRO-2 without offload (bitwise equal to ZeRO-3 on a model without unused parameters).
+    # Against ZeRO-2 without offload (bitwise equal to ZeRO-3 on a model without unused parameters); 0.19.3's
+    # stale ZeRO-3 partitions are fixed by fix-zero3-stale-grad-partitions, earlier in the series.
     dist.run(_unused_parameters_get_no_stale_gradient, "zero3-offload-branchy", n, "zero2-branchy")
 
 
@@ -318,3 +314,32 @@ REJECTED = {
 @pytest.mark.parametrize("option", sorted(REJECTED))
 def test_rejected_offload_engines(dist, option):
     dist.run(_config_error, *REJECTED[option])
+
+
+def _unmanaged_unused_parameters_match_pytorch(stage: int, offload: bool) -> None:
+    """Issue "review round 1", item 1: a parameter unused in whole steps (and in some micro-batches), gradient
+    clipping, a variable N: unmanaged mode equals plain PyTorch (clip over the real gradients, a zero
+    gradient for a parameter without one), with and without optimizer offload."""
+    import deepspeed.comm as ds_comm
+    from support import pytorch_reference
+    from support.paths import CLIP, Path, make_branchy_model
+
+    zero = {"stage3_param_persistence_threshold": 0} if stage == 3 else {}
+    if offload:
+        zero["offload_optimizer"] = {"device": "cpu"}
+    plan = [1, 2, 3, 1, 2]  # the branch: unused in steps 2 and 4, first micro-batch only in step 1, ...
+    engine = Path(stage, "fp32", {**CLIP, "zero_optimization": zero}, model_fn=make_branchy_model).initialize(
+        gas=1, managed=False)
+    run_unmanaged(engine, plan, divide_by_n=True)
+    actual = snapshot(engine).params
+    destroy(engine)
+    expected = pytorch_reference.run(make_branchy_model, plan, ds_comm.get_world_size(), CLIP["gradient_clipping"])
+    for name, p in expected.items():
+        torch.testing.assert_close(actual[name], p, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.world_size(2)
+@pytest.mark.parametrize("stage, offload", [(2, True), (3, False), (3, True)],
+                         ids=["zero2-offload", "zero3", "zero3-offload"])
+def test_unused_parameters_with_clipping_match_pytorch(dist, stage, offload):
+    dist.run(_unmanaged_unused_parameters_match_pytorch, stage, offload)

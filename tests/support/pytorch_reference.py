@@ -1,0 +1,35 @@
+"""A plain-PyTorch run of what a data-parallel DeepSpeed engine computes, on one process.
+
+Each rank computes it alone over every rank's micro-batches (data depends only on rank, step and index), so
+it needs no communication: the loss of every micro-batch divided by (micro-batches per step x world size),
+summed into every parameter's gradient, a zero gradient for a parameter that got none (DeepSpeed steps
+every parameter it holds), clipping over the real gradients, torch's AdamW with the settings of
+``training.base_config``.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+
+from . import training
+
+
+def run(model_fn: Callable[[], torch.nn.Module], plan: Sequence[int], world_size: int,
+        clip: float = 0.0) -> dict[str, torch.Tensor]:
+    """Parameters after one optimizer step per entry of ``plan`` (its micro-batches per rank)."""
+    model = model_fn()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    for step, n in enumerate(plan):
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
+        for rank in range(world_size):
+            for index in range(n):
+                training._CURRENT = (step, index)  # models whose control flow depends on the micro-batch
+                x, y = training.micro_batch(step, index, rank=rank)
+                (training.loss_fn(model(x), y) / (n * world_size)).backward()
+        if clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        optimizer.step()
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
