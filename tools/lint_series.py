@@ -61,8 +61,9 @@ def _run(*cmd: str, cwd: Path | None = None) -> str:
 
 def _show(repo: Path, rev: str, path: str, out_root: Path) -> Path | None:
     """Write ``rev:path`` under ``out_root`` (keeping the relative path); None if it does not exist."""
-    result = subprocess.run(["git", "show", f"{rev}:{path}"],
+    result = subprocess.run(stack.git_argv("show", f"{rev}:{path}"),
                             cwd=repo,
+                            env=stack.git_env(),
                             stdout=subprocess.PIPE,
                             stderr=subprocess.DEVNULL)
     if result.returncode != 0:
@@ -136,8 +137,10 @@ def flake8_findings(rel: str, before_root: Path | None, after_root: Path) -> lis
 
 def _changed_lines(repo: Path, base: str, head: str, rel: str) -> tuple[list[tuple[int, str]], list[str]]:
     """(line number in head, text) of the lines the change adds, and the texts of the lines it removes."""
-    diff = subprocess.run(["git", "diff", "-U0", "--no-renames", "--no-color", base, head, "--", rel],
+    diff = subprocess.run(stack.git_argv("diff", "-U0", "--no-renames", "--no-color", "--no-ext-diff", base, head, "--",
+                                         rel),
                           cwd=repo,
+                          env=stack.git_env(),
                           text=True,
                           errors="replace",
                           stdout=subprocess.PIPE,
@@ -188,8 +191,9 @@ def codespell_findings(repo: Path, base: str, head: str, rel: str, workdir: Path
 
 def lint_change(repo: Path, base: str, head: str) -> list[Finding]:
     """Everything the commit range ``base..head`` of ``repo`` adds to DeepSpeed's lint findings."""
-    status = subprocess.run(["git", "diff", "--name-status", "--no-renames", base, head],
+    status = subprocess.run(stack.git_argv("diff", "--name-status", "--no-renames", base, head),
                             cwd=repo,
+                            env=stack.git_env(),
                             text=True,
                             stdout=subprocess.PIPE,
                             check=True).stdout

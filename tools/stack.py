@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -198,13 +199,24 @@ def extract_sdist(sdist: Path, dest: Path) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def git(repo: Path, *args: str, check: bool = True, input: str | None = None) -> str:
+def git_env() -> dict[str, str]:
+    """The environment every git command of the tools runs in: the user's and the system's configuration
+    ignored (no external diff driver, prefix or colour setting can change what is read or written)."""
     env = {**os.environ, **_GIT_ENV}
     # Commits made by a developer keep their own identity and dates.
     for key in ("GIT_AUTHOR_NAME", "GIT_AUTHOR_EMAIL", "GIT_AUTHOR_DATE", "GIT_COMMITTER_DATE"):
         if key in os.environ:
             env[key] = os.environ[key]
-    result = subprocess.run(["git", *_GIT_CONFIG, *args], cwd=repo, env=env, input=input, text=True,
+    return env
+
+
+def git_argv(*args: str) -> list[str]:
+    """A git command line with the tools' pinned configuration (run it with ``git_env()``)."""
+    return ["git", *_GIT_CONFIG, *args]
+
+
+def git(repo: Path, *args: str, check: bool = True, input: str | None = None) -> str:
+    result = subprocess.run(git_argv(*args), cwd=repo, env=git_env(), input=input, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     if check and result.returncode != 0:
         raise StackError(f"git {' '.join(args)} failed in {repo}:\n{result.stderr.strip()}")
@@ -373,6 +385,46 @@ def install(upto: int | None, editable: bool) -> str:
     return version_for(upto)
 
 
+def submitter_identity(identity: str | None = None) -> str:
+    """``Name <email>`` of whoever sends the PRs upstream: ``identity`` if given, else their own git identity
+    (read with their configuration, unlike every other git command here)."""
+    if identity:
+        if not re.fullmatch(r"[^<>\n]+ <[^<>\s]+@[^<>\s]+>", identity.strip()):
+            raise StackError(f"--author must look like 'Name <email>', got {identity!r}")
+        return identity.strip()
+    values = []
+    for key in ("user.name", "user.email"):
+        result = subprocess.run(["git", "config", "--get", key], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                text=True)
+        values.append(result.stdout.strip())
+    if not all(values):
+        raise StackError("no git identity to sign the patches with: set git's user.name and user.email, or pass "
+                         "--author 'Name <email>'")
+    return f"{values[0]} <{values[1]}>"
+
+
+def submit(out_dir: Path, identity: str | None = None) -> list[Path]:
+    """Write the series for sending upstream into ``out_dir`` (numbered, in stack order): each patch's author
+    and ``Signed-off-by`` are the submitter's, as DeepSpeed's DCO check requires. ``patches/`` is untouched
+    (it stays byte-reproducible)."""
+    identity = submitter_identity(identity)
+    name, email = identity[:identity.index(" <")], identity[identity.index(" <") + 2:-1]
+    written = []
+    for patch in read_series():
+        text = _read_bytes(patch.path).decode("utf-8")
+        header, sep, rest = text.partition("\nSubject: ")
+        if not sep:
+            raise StackError(f"{patch.path} is not a format-patch file (no Subject header)")
+        header = re.sub(r"^From: .*?(?=^Date: )", f"From: {name} <{email}>\n", header, flags=re.M | re.S)
+        message, sep, diff = rest.partition("\ndiff --git ")  # --no-stat: no "---" line before the diff
+        message = re.sub(r"^Signed-off-by: .*$\n?", "", message, flags=re.M).rstrip("\n")
+        message += f"\n\nSigned-off-by: {name} <{email}>\n"
+        dest = out_dir / f"{patch.index:04d}-{patch.name}.patch"
+        _write_text(dest, header + "\nSubject: " + message + sep + diff)
+        written.append(dest)
+    return written
+
+
 # --------------------------------------------------------------------------------------------
 # Small file helpers
 # --------------------------------------------------------------------------------------------
@@ -405,6 +457,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--force", action="store_true", help="replace an existing tree (its unexported work is lost)")
     sub.add_parser("export", help=f"regenerate patches/ from {TREE_DIR.name}/")
     sub.add_parser("check", help="patches apply in order; the materialized tree has nothing unexported")
+    p = sub.add_parser("submit", help="write the series for sending upstream, signed off by you (DCO)")
+    p.add_argument("--author", help="'Name <email>' for From: and Signed-off-by: (default: your git identity)")
+    p.add_argument("--out", type=Path, default=ROOT / "dist" / "series", help="folder to write (default: dist/series)")
     p = sub.add_parser("install", help="pip-install DeepSpeed patched up to PR K")
     p.add_argument("--upto", type=int, help="install a fresh tree with the first K PRs (default: the dev tree)")
     p.add_argument("--editable", action=argparse.BooleanOptionalAction, default=None,
@@ -427,6 +482,9 @@ def main(argv: list[str] | None = None) -> int:
                 print("stack check failed:\n- " + "\n- ".join(problems), file=sys.stderr)
                 return 1
             print(f"stack check passed: {len(read_series())} PR(s) apply to {SDIST_NAME}; nothing unexported")
+        elif args.command == "submit":
+            for path in submit(args.out, args.author):
+                print(path)
         elif args.command == "install":
             editable = args.editable if args.editable is not None else args.upto is None
             print(f"installed {UPSTREAM_NAME} {install(args.upto, editable)}")

@@ -73,6 +73,7 @@ def test_each_tool_reports_what_the_pr_adds(repo):
     assert "F821 undefined name 'missing_name'" in found[("flake8", "pkg/util.py")]
     assert "line 13" in found[("flake8", "pkg/util.py")]
     assert "def broken( x ):" in found[("yapf", "pkg/util.py")]
+    assert found[("codespell", "README.md")].startswith("line 2:")
     assert "F401 'sys' imported but unused" in found[("flake8", "pkg/new.py")]
     assert "recieve ==> receive" in found[("codespell", "README.md")]
     assert found[("codespell", "README.md")].startswith("line 2:")
@@ -87,3 +88,19 @@ def test_cli_exits_nonzero_with_a_report(repo, capsys, monkeypatch):
     assert "PR 1 (pr-1): 1 new lint finding(s)" in out.out
     assert "F821 undefined name 'undefined'" in out.out
     assert "lint failed" in out.err
+
+
+def test_the_developers_git_config_changes_nothing(repo, tmp_path, monkeypatch):
+    """lint_series runs git with stack.py's isolated configuration: an external diff driver, no prefixes or
+    forced colour in the user's global config must not hide or garble a finding."""
+    hostile = tmp_path / "gitconfig"
+    hostile.write_text('[diff]\n\texternal = sh -c "echo not-a-diff"\n\tnoprefix = true\n[color]\n\tui = always\n')
+    _commit(repo, {
+        "pkg/util.py": PRISTINE + "\n\ndef broken( x ):\n    return missing_name + x\n",
+        "README.md": "Upstream.\nWe recieve patches.\n"
+    }, "PR 1")
+    monkeypatch.setenv("GIT_CONFIG_GLOBAL", str(hostile))
+    found = {(f.tool, f.path): f.detail for f in _lint(repo, 1)[1]}
+    assert "F821 undefined name 'missing_name'" in found[("flake8", "pkg/util.py")]
+    assert "def broken( x ):" in found[("yapf", "pkg/util.py")]
+    assert found[("codespell", "README.md")].startswith("line 2:")

@@ -237,3 +237,35 @@ def test_install_upto_1_installs_that_prefix(project, tmp_path, monkeypatch):
     assert f"version='{stack.version_for(1)}'" in installed
     for rel in ("runtime/engine.py", "runtime/config.py", "runtime/constants.py"):
         assert (target / "deepspeed" / rel).read_bytes() == (prefix / "deepspeed" / rel).read_bytes(), rel
+
+
+# -- submit: the submitter signs the PRs (DCO) ----------------------------------------------------------------
+def test_submit_signs_every_pr_with_the_submitter_and_leaves_patches_alone(project, tmp_path, monkeypatch):
+    before = {p.name: p.read_bytes() for p in (project / "patches").iterdir()}
+    out = tmp_path / "outbox"
+    written = stack.submit(out, "Jane Doe <jane@example.com>")
+    series = stack.read_series()
+    assert [p.name for p in written] == [f"{p.index:04d}-{p.name}.patch" for p in series]
+    for path, patch in zip(written, series):
+        text = path.read_text()
+        assert "\nFrom: Jane Doe <jane@example.com>\nDate: " in text
+        assert text.count("Signed-off-by:") == 1 and "Signed-off-by: Jane Doe <jane@example.com>\n" in text
+        # the same change and message otherwise: applies with git am, keeps the subject and the sections
+        assert f"Subject: {patch.title}\n" in text and "\n## Testing\n" in text
+    tree = stack.materialize(tmp_path / "tree", upto=0)
+    stack.git(tree, "am", "--quiet", *map(str, written))
+    assert stack.git(tree, "log", "--format=%an <%ae>", "upstream..HEAD").split("\n")[:-1] == \
+        ["Jane Doe <jane@example.com>"] * len(series)
+    assert {p.name: p.read_bytes() for p in (project / "patches").iterdir()} == before
+    # default: the submitter's own git identity; none at all is a clear error
+    config = tmp_path / "gitconfig"
+    config.write_text("[user]\n\tname = Sam Sender\n\temail = sam@example.org\n")
+    monkeypatch.setenv("GIT_CONFIG_GLOBAL", str(config))
+    monkeypatch.setenv("GIT_CONFIG_NOSYSTEM", "1")
+    monkeypatch.chdir(tmp_path)  # outside any repository with a local identity
+    assert "Signed-off-by: Sam Sender <sam@example.org>" in stack.submit(tmp_path / "again")[0].read_text()
+    config.write_text("")
+    with pytest.raises(stack.StackError, match="user.name and user.email"):
+        stack.submit(tmp_path / "none")
+    with pytest.raises(stack.StackError, match="Name <email>"):
+        stack.submit(tmp_path / "bad", "jane")
