@@ -67,3 +67,31 @@ def test_gradient_memory_held_across_backwards_equals_managed(dist, path_name):
 @pytest.mark.parametrize("path_name", cases("zero3-fp32", "zero3-bf16"))
 def test_16bit_model_export_after_unmanaged_steps(dist, path_name, tmp_path):
     dist.run(scenarios.sixteen_bit_export_parity, path_name, str(tmp_path))
+
+
+def _throughput_reports_the_step(n: int) -> dict:
+    """Every forward takes >= 30 ms; with gradient_accumulation_steps=2 configured, a step runs n forwards and
+    backwards. The throughput timer must time the whole step and count its n micro-batches (0.19.3's timer,
+    restarted at every forward and counting the configured batch, reports about 2n/n x too much here)."""
+    import time
+
+    import deepspeed.comm as ds_comm
+    from support.paths import PATHS
+    from support.training import MICRO_BATCH, destroy, run_unmanaged
+
+    engine = PATHS["zero1-fp32"].initialize(gas=2, managed=False)
+    engine.module.register_forward_pre_hook(lambda *_: time.sleep(0.03))
+    run_unmanaged(engine, [n] * 5, divide_by_n=True)
+    samples = MICRO_BATCH * ds_comm.get_world_size() * n
+    result = {"batch_size": engine.tput_timer.batch_size, "samples": samples,
+              "measured": engine.tput_timer.avg_samples_per_sec(), "bound": samples / (n * 0.03)}
+    destroy(engine)
+    return result
+
+
+@pytest.mark.pr("zero-0-1")
+@pytest.mark.world_size(1, 2)
+def test_throughput_counts_the_samples_and_time_of_the_whole_step(dist):
+    for result in dist.run(_throughput_reports_the_step, 4):
+        assert result["batch_size"] == result["samples"], result
+        assert 0 < result["measured"] <= result["bound"], result
