@@ -17,13 +17,6 @@ import torch
 from .training import HIDDEN, FEATURES, OUTPUTS, base_config, make_model, merge
 
 
-#: DeepSpeed 0.19.3 re-gathered ZeRO-3's persistent parameters after every step waiting for the last async
-#: all-gather only, so on gloo the next forward could read unfilled memory; the series' first bug fix
-#: (fix-zero3-allgather-wait) waits for every handle and no test needs sequential gathers any more. Kept
-#: for tests/support/reference_run.py, which still names it.
-SEQUENTIAL_GATHERS_ON_GLOO = {"stage3_allgather_sequential": True}
-
-
 @dataclass(frozen=True)
 class Path:
     """One engine configuration: extra ds_config keys on top of base_config, and initialize() kwargs."""
