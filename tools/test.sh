@@ -45,6 +45,29 @@ _ds_series_installed_version() {
     "$DS_SERIES_PY" -c 'import importlib.metadata as m; print(m.version("deepspeed"))' 2>/dev/null || true
 }
 
+# DeepSpeed JIT-builds its CPU ops (CPU Adam, async I/O) on first use, with a lock in the extensions
+# folder. Building them here, once per install, keeps minutes of compiling out of the tests' timeouts;
+# a rank killed mid-build would leave the lock behind and stall every later test that loads the op.
+_ds_series_build_ops() {
+    _ds_series_log "building DeepSpeed's CPU ops (CPU Adam, shared-memory comm; async I/O where libaio exists)"
+    (cd /tmp && "$DS_SERIES_PY" - <<'PY'
+from deepspeed.accelerator import get_accelerator
+
+accelerator = get_accelerator()
+for name, required in (("ShareMemCommBuilder", True), ("CPUAdamBuilder", True), ("AsyncIOBuilder", False)):
+    builder = accelerator.create_op_builder(name)
+    try:
+        if builder is None or not builder.is_compatible(verbose=False):
+            raise RuntimeError("not compatible with this machine")
+        builder.load(verbose=False)
+    except Exception as err:
+        if required:
+            raise
+        print(f"[tools/test.sh] warning: {name} unavailable ({err}); NVMe offload tests will be skipped")
+PY
+    )
+}
+
 ds_series_setup() {
     local stamp="$DS_SERIES_VENV/.ds-series-inputs" digest expected
     if [[ ! -x "$DS_SERIES_PY" ]]; then
@@ -78,6 +101,7 @@ ds_series_setup() {
         _ds_series_log "error: installed deepspeed is '$got', expected '$expected'"
         return 1
     fi
+    _ds_series_build_ops
     echo "$digest" >"$stamp"
     _ds_series_log "installed deepspeed $got into $DS_SERIES_VENV"
 }
