@@ -137,8 +137,8 @@ def flake8_findings(rel: str, before_root: Path | None, after_root: Path) -> lis
 
 def _changed_lines(repo: Path, base: str, head: str, rel: str) -> tuple[list[tuple[int, str]], list[str]]:
     """(line number in head, text) of the lines the change adds, and the texts of the lines it removes."""
-    diff = subprocess.run(stack.git_argv("diff", "-U0", "--no-renames", "--no-color", "--no-ext-diff", base, head, "--",
-                                         rel),
+    diff = subprocess.run(stack.git_argv("diff", "-U0", "--no-renames", "--no-color", "--no-ext-diff", base, head,
+                                         "--", rel),
                           cwd=repo,
                           env=stack.git_env(),
                           text=True,
@@ -186,6 +186,30 @@ def codespell_findings(repo: Path, base: str, head: str, rel: str, workdir: Path
     return findings
 
 
+# -- the commit message ---------------------------------------------------------------------------
+
+#: The sections every PR's message has, in this order (DeepSpeed's PR description: what, why, how tested).
+MESSAGE_SECTIONS = ("## Summary", "## Changes", "## Testing")
+
+
+def message_findings(repo: Path, head: str) -> list[Finding]:
+    """A message without its sections: git drops ``## `` lines as comments whenever it opens an editor."""
+    message = subprocess.run(stack.git_argv("log", "-1", "--format=%B", head),
+                             cwd=repo,
+                             env=stack.git_env(),
+                             text=True,
+                             stdout=subprocess.PIPE,
+                             check=True).stdout
+    lines = [line.rstrip() for line in message.splitlines()]
+    missing = [section for section in MESSAGE_SECTIONS if section not in lines]
+    if missing:
+        return [Finding("message", "commit message", f"missing {', '.join(missing)}")]
+    positions = [lines.index(section) for section in MESSAGE_SECTIONS]
+    if positions != sorted(positions):
+        return [Finding("message", "commit message", f"sections out of order: want {', '.join(MESSAGE_SECTIONS)}")]
+    return []
+
+
 # -- one PR, the series -------------------------------------------------------------------------
 
 
@@ -198,7 +222,7 @@ def lint_change(repo: Path, base: str, head: str) -> list[Finding]:
                             stdout=subprocess.PIPE,
                             check=True).stdout
     touched = [line.split("\t", 1)[1] for line in status.splitlines() if line[:1] in ("A", "M")]
-    findings: list[Finding] = []
+    findings = message_findings(repo, head)
     with tempfile.TemporaryDirectory(prefix="lint-series-") as tmp:
         before_root, after_root = Path(tmp) / "before", Path(tmp) / "after"
         for index, rel in enumerate(touched):
@@ -257,7 +281,8 @@ def main(argv: list[str] | None = None) -> int:
             "(git commit --fixup=<pr>, then stack.py export)",
             file=sys.stderr)
         return 1
-    print(f"lint passed: {len(patches)} PR(s) add no yapf, flake8 or codespell findings")
+    print(f"lint passed: {len(patches)} PR(s) add no yapf, flake8 or codespell findings; every message has "
+          f"{', '.join(MESSAGE_SECTIONS)}")
     return 0
 
 

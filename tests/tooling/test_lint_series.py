@@ -25,8 +25,11 @@ PRISTINE_DIRTY = '''def legacy( x ):
     return undefined_upstream + x
 '''
 
+SECTIONS = "\n\n## Summary\n\nWhat.\n\n## Changes\n\n- How.\n\n## Testing\n\nRun.\n"
 
-def _commit(repo: Path, files: dict[str, str], message: str) -> None:
+
+def _commit(repo: Path, files: dict[str, str], message: str, sections: str = SECTIONS) -> None:
+    message += sections
     for rel, text in files.items():
         (repo / rel).parent.mkdir(parents=True, exist_ok=True)
         (repo / rel).write_text(text)
@@ -95,12 +98,25 @@ def test_the_developers_git_config_changes_nothing(repo, tmp_path, monkeypatch):
     forced colour in the user's global config must not hide or garble a finding."""
     hostile = tmp_path / "gitconfig"
     hostile.write_text('[diff]\n\texternal = sh -c "echo not-a-diff"\n\tnoprefix = true\n[color]\n\tui = always\n')
-    _commit(repo, {
-        "pkg/util.py": PRISTINE + "\n\ndef broken( x ):\n    return missing_name + x\n",
-        "README.md": "Upstream.\nWe recieve patches.\n"
-    }, "PR 1")
+    _commit(
+        repo, {
+            "pkg/util.py": PRISTINE + "\n\ndef broken( x ):\n    return missing_name + x\n",
+            "README.md": "Upstream.\nWe recieve patches.\n"
+        }, "PR 1")
     monkeypatch.setenv("GIT_CONFIG_GLOBAL", str(hostile))
     found = {(f.tool, f.path): f.detail for f in _lint(repo, 1)[1]}
     assert "F821 undefined name 'missing_name'" in found[("flake8", "pkg/util.py")]
     assert "def broken( x ):" in found[("yapf", "pkg/util.py")]
     assert found[("codespell", "README.md")].startswith("line 2:")
+
+
+def test_a_message_without_its_sections_is_reported(repo):
+    _commit(repo, {"pkg/util.py": PRISTINE + "\n\ndef fine():\n    return 1\n"},
+            "PR 1: sections",
+            sections="\n\n## Summary\n\nWhat.\n\n## Changes\n\n- How.\n")
+    _commit(repo, {"README.md": "Upstream.\nMore.\n"},
+            "PR 2: out of order",
+            sections="\n\n## Changes\n\n- How.\n\n## Summary\n\nWhat.\n\n## Testing\n\nRun.\n")
+    results = _lint(repo, 2)
+    assert [(f.tool, f.detail) for f in results[1]] == [("message", "missing ## Testing")]
+    assert [f.tool for f in results[2]] == ["message"] and "out of order" in results[2][0].detail
