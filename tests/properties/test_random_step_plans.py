@@ -29,8 +29,8 @@ from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
 from harness import run_on_ranks
-from support.paths import Path
-from support.training import (FEATURES, HIDDEN, OUTPUTS, assert_identical, destroy, loss_fn, micro_batch, snapshot)
+from support.paths import Path, make_two_head_model
+from support.training import assert_identical, destroy, loss_fn, micro_batch, snapshot
 
 pytestmark = pytest.mark.pr("zero-offload")
 
@@ -41,28 +41,6 @@ CLIP = 0.05
 EXAMPLES = int(os.environ.get("DS_SERIES_PROPERTY_EXAMPLES", "4"))
 RANDOM = os.environ.get("DS_SERIES_PROPERTY_SEED", "") == "random"
 HEADS = ("a", "b", "ab")
-
-
-class TwoHeads(torch.nn.Module):
-    """A trunk and two heads; ``use`` picks the heads the next forward goes through."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc1 = torch.nn.Linear(FEATURES, HIDDEN)
-        self.head_a = torch.nn.Linear(HIDDEN, OUTPUTS)
-        self.head_b = torch.nn.Linear(HIDDEN, OUTPUTS)
-        self.use = "ab"
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = torch.nn.functional.gelu(self.fc1(x))
-        out = self.head_a(h) if "a" in self.use else 0
-        return out + self.head_b(h) if "b" in self.use else out
-
-
-def make_two_heads() -> torch.nn.Module:
-    torch.manual_seed(1234)
-    return TwoHeads()
-
 
 # ----------------------------------------------------------------------------------------------
 # Plans
@@ -100,7 +78,7 @@ def _path(spec: dict) -> Path:
     if spec["stage"] == 3:
         zero["stage3_param_persistence_threshold"] = 0
     extra = {"gradient_clipping": CLIP if spec["clip"] else 0.0, "zero_optimization": zero}
-    return Path(spec["stage"], spec["dtype"], extra, model_fn=make_two_heads)
+    return Path(spec["stage"], spec["dtype"], extra, model_fn=make_two_head_model)
 
 
 def _loss(engine, step: int, index: int, use: str) -> torch.Tensor:
@@ -157,7 +135,7 @@ def _run_managed(spec: dict, plan: list, gas: int):
 
 def _plain_pytorch(spec: dict, plan: list) -> dict[str, torch.Tensor]:
     """Every rank's kept micro-batches of a step as one mean loss, stepped by torch.optim.AdamW."""
-    model = make_two_heads()
+    model = make_two_head_model()
     params = list(model.parameters())
     optimizer = torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY)
     for step, step_plan in enumerate(plan):

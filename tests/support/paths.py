@@ -84,8 +84,8 @@ def _torch_fused_adam_class():
                         state["step"] = torch.tensor(0.0)
                         state["exp_avg"] = torch.zeros_like(p)
                         state["exp_avg_sq"] = torch.zeros_like(p)
-                torch.optim._functional.adamw(params, [p.grad for p in params],
-                                              [self.state[p]["exp_avg"] for p in params],
+                torch.optim._functional.adamw(params, [p.grad
+                                                       for p in params], [self.state[p]["exp_avg"] for p in params],
                                               [self.state[p]["exp_avg_sq"] for p in params], [],
                                               [self.state[p]["step"] for p in params],
                                               amsgrad=False,
@@ -154,6 +154,34 @@ def make_branchy_model() -> torch.nn.Module:
     return BranchyMLP()
 
 
+class TwoHeadMLP(torch.nn.Module):
+    """A trunk and two heads: a head can get no gradient for a whole step.
+
+    ``use`` picks the heads of the next forward ("a", "b" or "ab"); left unset, even steps train head a
+    and odd steps head b.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = torch.nn.Linear(FEATURES, HIDDEN)
+        self.head_a = torch.nn.Linear(HIDDEN, OUTPUTS)
+        self.head_b = torch.nn.Linear(HIDDEN, OUTPUTS)
+        self.use: str | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from .training import current_micro_batch
+
+        use = self.use or ("a" if current_micro_batch()[0] % 2 == 0 else "b")
+        h = torch.nn.functional.gelu(self.fc1(x))
+        out = self.head_a(h) if "a" in use else 0
+        return out + self.head_b(h) if "b" in use else out
+
+
+def make_two_head_model() -> torch.nn.Module:
+    torch.manual_seed(1234)
+    return TwoHeadMLP()
+
+
 class WideMLP(torch.nn.Module):
     """~69k parameters (277 KB of fp32 gradients): big enough for memory measurements to mean something."""
 
@@ -203,7 +231,8 @@ class CheckpointedMLP(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.nn.functional.gelu(self.fc1(x))
-        h = torch.utils.checkpoint.checkpoint(lambda t: torch.nn.functional.gelu(self.mid(t)), h,
+        h = torch.utils.checkpoint.checkpoint(lambda t: torch.nn.functional.gelu(self.mid(t)),
+                                              h,
                                               use_reentrant=self.use_reentrant)
         return self.fc2(h)
 
@@ -273,20 +302,54 @@ CLIP = {"gradient_clipping": 0.05}
 
 #: Every optimizer path ZeRO stage 0/1 can take (PR 1), each with clipping and most with an LR scheduler.
 ZERO_0_1_PATHS: dict[str, Path] = {
-    "fp32-deepspeed-optimizer": Path(0, "fp32", {**CLIP, **WARMUP}),
-    "fp32-client-optimizer": Path(0, "fp32", {**CLIP, "optimizer": None}, client_sgd),
-    "bf16": Path(0, "bf16", {**CLIP, **WARMUP}),
-    "fp16-fused": Path(0, "fp16", {**CLIP, "optimizer": None}, client_fused_adam, needs_fp16=True),
-    "fp16-unfused": Path(0, "fp16", {**CLIP, **WARMUP}, needs_fp16=True),
-    "fp16-static-scale": Path(0, "fp16", {**CLIP, "fp16": {"loss_scale": 64}}, needs_fp16=True),
-    "torch-autocast": Path(0, "fp32", {**CLIP, "torch_autocast": {"enabled": True, "dtype": "bfloat16"}}),
+    "fp32-deepspeed-optimizer": Path(0, "fp32", {
+        **CLIP,
+        **WARMUP
+    }),
+    "fp32-client-optimizer": Path(0, "fp32", {
+        **CLIP, "optimizer": None
+    }, client_sgd),
+    "bf16": Path(0, "bf16", {
+        **CLIP,
+        **WARMUP
+    }),
+    "fp16-fused": Path(0, "fp16", {
+        **CLIP, "optimizer": None
+    }, client_fused_adam, needs_fp16=True),
+    "fp16-unfused": Path(0, "fp16", {
+        **CLIP,
+        **WARMUP
+    }, needs_fp16=True),
+    "fp16-static-scale": Path(0, "fp16", {
+        **CLIP, "fp16": {
+            "loss_scale": 64
+        }
+    }, needs_fp16=True),
+    "torch-autocast": Path(0, "fp32", {
+        **CLIP, "torch_autocast": {
+            "enabled": True,
+            "dtype": "bfloat16"
+        }
+    }),
     "moe": Path(0, "fp32", CLIP, model_fn=make_moe_model),
     "branchy": Path(0, "fp32", CLIP, model_fn=make_branchy_model),
-    "zero1-fp32": Path(1, "fp32", {**CLIP, **WARMUP}),
+    "zero1-fp32": Path(1, "fp32", {
+        **CLIP,
+        **WARMUP
+    }),
     "zero1-bf16-fp32-accumulation": Path(1, "bf16", CLIP),  # BF16_Optimizer
-    "zero1-bf16-bf16-accumulation": Path(1, "bf16", {**CLIP, "data_types": {"grad_accum_dtype": "bf16"}}),
+    "zero1-bf16-bf16-accumulation": Path(1, "bf16", {
+        **CLIP, "data_types": {
+            "grad_accum_dtype": "bf16"
+        }
+    }),
     "zero1-fp16": Path(1, "fp16", CLIP, needs_fp16=True),
-    "zero1-torch-autocast": Path(1, "fp32", {**CLIP, "torch_autocast": {"enabled": True, "dtype": "bfloat16"}}),
+    "zero1-torch-autocast": Path(1, "fp32", {
+        **CLIP, "torch_autocast": {
+            "enabled": True,
+            "dtype": "bfloat16"
+        }
+    }),
     "zero1-moe": Path(1, "fp32", CLIP, model_fn=make_moe_model),
     "zero1-branchy": Path(1, "fp32", CLIP, model_fn=make_branchy_model),
 }
@@ -323,22 +386,38 @@ def _zero3(dtype: str = "fp32", needs_fp16: bool = False, model_fn=make_model, *
 
 #: ZeRO stage 3 and what its users set (PR 3).
 ZERO_3_PATHS: dict[str, Path] = {
-    "zero3-fp32": _zero3(),
-    "zero3-persistent-and-partitioned": _zero3(stage3_param_persistence_threshold=20),
-    "zero3-no-overlap-comm": _zero3(overlap_comm=False),
-    "zero3-no-contiguous-gradients": _zero3(contiguous_gradients=False),
-    "zero3-small-buckets": _zero3(reduce_bucket_size=40),
-    "zero3-prefetch-limits": _zero3(stage3_prefetch_bucket_size=20, stage3_max_live_parameters=30,
-                                    stage3_max_reuse_distance=10),
-    "zero3-bf16": _zero3("bf16"),
-    "zero3-fp16": _zero3("fp16", needs_fp16=True),
-    "zero3-branchy": _zero3(model_fn=make_branchy_model),
-    "zero3-frozen-lora": _zero3(model_fn=make_lora_model),
-    "zero3-checkpointing-reentrant": _zero3(model_fn=make_checkpointed_model(True)),
-    "zero3-checkpointing-non-reentrant": _zero3(model_fn=make_checkpointed_model(False)),
-    "zero3-leaf-module": _zero3(model_fn=make_leaf_module_model),
-    "zero3-zero-init": Path(3, "fp32", {**CLIP, "zero_optimization": {"stage3_param_persistence_threshold": 0}},
-                            zero_init=True),
+    "zero3-fp32":
+    _zero3(),
+    "zero3-persistent-and-partitioned":
+    _zero3(stage3_param_persistence_threshold=20),
+    "zero3-no-overlap-comm":
+    _zero3(overlap_comm=False),
+    "zero3-no-contiguous-gradients":
+    _zero3(contiguous_gradients=False),
+    "zero3-small-buckets":
+    _zero3(reduce_bucket_size=40),
+    "zero3-prefetch-limits":
+    _zero3(stage3_prefetch_bucket_size=20, stage3_max_live_parameters=30, stage3_max_reuse_distance=10),
+    "zero3-bf16":
+    _zero3("bf16"),
+    "zero3-fp16":
+    _zero3("fp16", needs_fp16=True),
+    "zero3-branchy":
+    _zero3(model_fn=make_branchy_model),
+    "zero3-frozen-lora":
+    _zero3(model_fn=make_lora_model),
+    "zero3-checkpointing-reentrant":
+    _zero3(model_fn=make_checkpointed_model(True)),
+    "zero3-checkpointing-non-reentrant":
+    _zero3(model_fn=make_checkpointed_model(False)),
+    "zero3-leaf-module":
+    _zero3(model_fn=make_leaf_module_model),
+    "zero3-zero-init":
+    Path(3, "fp32", {
+        **CLIP, "zero_optimization": {
+            "stage3_param_persistence_threshold": 0
+        }
+    }, zero_init=True),
 }
 
 #: MiCS shards over sub-groups with coalesced collectives, which gloo does not implement: NCCL only, at world
@@ -348,10 +427,12 @@ MICS_PATHS: dict[str, Path] = {"zero3-mics": Path(3, "fp32", {**CLIP, "zero_opti
 
 #: Wide models for the gradient-memory measurements (moderate buckets: the 5e8-element default is 2 GB).
 MEMORY_PATHS: dict[str, Path] = {
-    "zero2-wide": _zero2(model_fn=make_wide_model, reduce_bucket_size=20000, allgather_bucket_size=20000),
-    "zero2-wide-overlap-comm": _zero2(model_fn=make_wide_model, reduce_bucket_size=20000,
-                                      allgather_bucket_size=20000, overlap_comm=True),
-    "zero3-wide": _zero3(model_fn=make_wide_model, reduce_bucket_size=20000),
+    "zero2-wide":
+    _zero2(model_fn=make_wide_model, reduce_bucket_size=20000, allgather_bucket_size=20000),
+    "zero2-wide-overlap-comm":
+    _zero2(model_fn=make_wide_model, reduce_bucket_size=20000, allgather_bucket_size=20000, overlap_comm=True),
+    "zero3-wide":
+    _zero3(model_fn=make_wide_model, reduce_bucket_size=20000),
 }
 
 PATHS: dict[str, Path] = {**ZERO_0_1_PATHS, **ZERO_2_PATHS, **ZERO_3_PATHS, **MICS_PATHS, **MEMORY_PATHS}

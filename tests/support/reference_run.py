@@ -20,8 +20,9 @@ from typing import Any
 import torch
 
 from .offload_paths import AIO, CPU_ADAM, NVME, _offload, _offload3
-from .paths import (CLIP, WARMUP, Path, _zero2, _zero3, client_fused_adam, make_branchy_model, make_moe_model)
-from .training import FEATURES, HIDDEN, OUTPUTS, destroy, flatten, forward_loss
+from .paths import (CLIP, WARMUP, Path, _zero2, _zero3, client_fused_adam, make_branchy_model, make_moe_model,
+                    make_two_head_model)
+from .training import destroy, flatten, forward_loss
 
 #: Managed steps of GAS micro-batches per case.
 STEPS = 3
@@ -30,28 +31,6 @@ GAS = 2
 NO_CLIP = {"gradient_clipping": 0.0}
 #: ``gradient_clipping`` absent: DeepSpeed's default (1.0) is part of the default behaviour.
 DEFAULT_CLIP = {"gradient_clipping": None}
-
-
-class TwoHeadMLP(torch.nn.Module):
-    """Even steps train one head, odd steps the other: each head gets no gradient in a whole step."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc1 = torch.nn.Linear(FEATURES, HIDDEN)
-        self.head_a = torch.nn.Linear(HIDDEN, OUTPUTS)
-        self.head_b = torch.nn.Linear(HIDDEN, OUTPUTS)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from .training import current_micro_batch
-
-        step, _ = current_micro_batch()
-        head = self.head_a if step % 2 == 0 else self.head_b
-        return head(torch.nn.functional.gelu(self.fc1(x)))
-
-
-def make_two_head_model() -> torch.nn.Module:
-    torch.manual_seed(1234)
-    return TwoHeadMLP()
 
 
 @dataclass(frozen=True)
