@@ -12,7 +12,6 @@ every parameter it holds).
 """
 
 import pytest
-import torch
 
 from support.paths import CLIP, Path, make_branchy_model
 
@@ -21,16 +20,27 @@ pytestmark = pytest.mark.pr("fix-zero3-stale-grad-partitions")
 STEPS = 4
 ZERO3 = {"stage3_param_persistence_threshold": 0}
 PATHS = {
-    "zero3": Path(3, "fp32", {**CLIP, "zero_optimization": ZERO3}, model_fn=make_branchy_model),
-    "zero3-offload": Path(3, "fp32", {**CLIP, "zero_optimization": {**ZERO3, "offload_optimizer": {"device": "cpu"}}},
-                          model_fn=make_branchy_model),
+    "zero3":
+    Path(3, "fp32", {
+        **CLIP, "zero_optimization": ZERO3
+    }, model_fn=make_branchy_model),
+    "zero3-offload":
+    Path(3,
+         "fp32", {
+             **CLIP, "zero_optimization": {
+                 **ZERO3, "offload_optimizer": {
+                     "device": "cpu"
+                 }
+             }
+         },
+         model_fn=make_branchy_model),
 }
 
 
 def _matches_pytorch(path_name: str, n: int) -> None:
     import deepspeed.comm as ds_comm
     from support import pytorch_reference
-    from support.training import destroy, run_managed, snapshot
+    from support.training import assert_params_close, destroy, run_managed, snapshot
 
     engine = PATHS[path_name].initialize(gas=n, managed=None)
     run_managed(engine, [n] * STEPS)
@@ -38,11 +48,9 @@ def _matches_pytorch(path_name: str, n: int) -> None:
     destroy(engine)
     expected = pytorch_reference.run(make_branchy_model, [n] * STEPS, ds_comm.get_world_size(),
                                      CLIP["gradient_clipping"])
-    for name, p in expected.items():
-        # fp32 reduction order differs (per-rank partial sums, DeepSpeed's norm): a few ulps after 4 steps;
-        # a stale partition is off by ~1e-3
-        torch.testing.assert_close(actual[name], p, rtol=1e-5, atol=1e-6,
-                                   msg=lambda m: f"{path_name}, GAS={n}, {name}: {m}")
+    # fp32 reduction order differs (per-rank partial sums, DeepSpeed's norm): a few ulps after 4 steps;
+    # a stale partition is off by ~1e-3
+    assert_params_close(actual, expected, f"{path_name}, GAS={n}", rtol=1e-5, atol=1e-6)
 
 
 # GAS=1: the branch is unused in whole steps; GAS=2: used only in the first micro-batch of one step, only in

@@ -8,7 +8,6 @@ the last step that had one. The same engine without offload is the reference.
 """
 
 import pytest
-import torch
 
 from support.paths import PATHS
 
@@ -20,7 +19,7 @@ def _offload_matches_no_offload(stage: int, n: int) -> None:
     some steps not in the last one. The offload path computes the global norm from per-parameter fp64
     norms, the non-offload path from the fp32 flat partition, so the clip coefficient may differ in the
     last bits: 1e-6 relative; a stale gradient is off by ~1e-2."""
-    from support.training import destroy, run_managed, snapshot
+    from support.training import assert_params_close, destroy, run_managed, snapshot
 
     results = []
     for offload in (True, False):
@@ -30,9 +29,7 @@ def _offload_matches_no_offload(stage: int, n: int) -> None:
         results.append(snapshot(engine))
         destroy(engine)
     actual, expected = results
-    for name, p in expected.params.items():
-        torch.testing.assert_close(actual.params[name], p, rtol=1e-6, atol=1e-8,
-                                   msg=lambda m: f"ZeRO-{stage} offload, GAS={n}, {name}: {m}")
+    assert_params_close(actual.params, expected.params, f"ZeRO-{stage} offload, GAS={n}", rtol=1e-6, atol=1e-8)
     assert actual.scalars["grad_norm"] == pytest.approx(expected.scalars["grad_norm"], rel=1e-6)
 
 

@@ -29,8 +29,9 @@ from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
 from harness import run_on_ranks
+from support import pytorch_reference
 from support.paths import Path, make_two_head_model
-from support.training import assert_identical, destroy, loss_fn, micro_batch, snapshot
+from support.training import assert_identical, assert_params_close, destroy, loss_fn, micro_batch, snapshot
 
 pytestmark = pytest.mark.pr("zero-offload")
 
@@ -135,24 +136,14 @@ def _run_managed(spec: dict, plan: list, gas: int):
 
 def _plain_pytorch(spec: dict, plan: list) -> dict[str, torch.Tensor]:
     """Every rank's kept micro-batches of a step as one mean loss, stepped by torch.optim.AdamW."""
-    model = make_two_head_model()
-    params = list(model.parameters())
-    optimizer = torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY)
-    for step, step_plan in enumerate(plan):
-        kept = _kept(step_plan)
-        optimizer.zero_grad(set_to_none=True)
-        for rank in range(WORLD_SIZE):
-            for i in kept:
-                model.use = step_plan["heads"][i]
-                x, y = micro_batch(step, i, rank)
-                (loss_fn(model(x), y) / (len(kept) * WORLD_SIZE)).backward()
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        if spec["clip"]:
-            torch.nn.utils.clip_grad_norm_(params, CLIP)
-        optimizer.step()
-    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+    def use_heads(model: torch.nn.Module, step: int, index: int) -> None:
+        model.use = plan[step]["heads"][index]
+
+    return pytorch_reference.run(make_two_head_model, [_kept(s) for s in plan],
+                                 WORLD_SIZE,
+                                 CLIP if spec["clip"] else 0.0,
+                                 prepare=use_heads)
 
 
 def check_plan(spec: dict, plan: list, save_dir: str) -> None:
@@ -171,13 +162,11 @@ def check_plan(spec: dict, plan: list, save_dir: str) -> None:
                          ignore | {"global_samples"})
     else:
         actual = _run_unmanaged(spec, plan, 1, save_dir)
-        reference = _plain_pytorch(spec, plan)
-        for name, p in reference.items():
-            torch.testing.assert_close(actual.params[name],
-                                       p,
-                                       rtol=1e-5,
-                                       atol=1e-6,
-                                       msg=lambda m: f"{spec} plan {plan}: {name} vs plain PyTorch: {m}")
+        assert_params_close(actual.params,
+                            _plain_pytorch(spec, plan),
+                            f"{spec} plan {plan} vs plain PyTorch",
+                            rtol=1e-5,
+                            atol=1e-6)
 
 
 # ----------------------------------------------------------------------------------------------

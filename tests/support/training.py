@@ -35,7 +35,11 @@ def make_model(seed: int = 1234) -> torch.nn.Module:
     return TinyMLP()
 
 
-def base_config(gas: int = 1, *, managed: bool | None = None, stage: int = 0, dtype: str = "fp32",
+def base_config(gas: int = 1,
+                *,
+                managed: bool | None = None,
+                stage: int = 0,
+                dtype: str = "fp32",
                 **extra: Any) -> dict:
     """A small, explicit ds_config (gradient_clipping is set: DeepSpeed's default is 1.0, not 0)."""
     config: dict[str, Any] = {
@@ -130,7 +134,11 @@ def forward_loss(engine, step: int, index: int) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------
 
 
-def run_unmanaged(engine, plan: Sequence[int], *, first_step: int = 0, divide_by_n: bool = False,
+def run_unmanaged(engine,
+                  plan: Sequence[int],
+                  *,
+                  first_step: int = 0,
+                  divide_by_n: bool = False,
                   torch_style: bool = False) -> None:
     """N backwards then one step() per entry of ``plan``."""
     for offset, n in enumerate(plan):
@@ -260,6 +268,13 @@ def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 def assert_identical(a: Snapshot, b: Snapshot, what: str = "", ignore: Iterable[str] = ()) -> None:
     diffs = differences(a, b, ignore)
     assert not diffs, f"{what} not bitwise identical:\n  " + "\n  ".join(diffs[:20])
+
+
+def assert_params_close(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], what: str, *, rtol: float,
+                        atol: float) -> None:
+    """Every parameter of ``expected`` within tolerance, for comparisons whose summation order differs."""
+    for name, p in expected.items():
+        torch.testing.assert_close(actual[name], p, rtol=rtol, atol=atol, msg=lambda m: f"{what}, {name}: {m}")
 
 
 def destroy(*engines: Iterable) -> None:

@@ -22,8 +22,8 @@ tinker = require("tinker")
 from tinker import types  # noqa: E402
 
 from examples.tinker_server.model import LoraSpec  # noqa: E402
-from tinker_sdk_helpers import (API_KEY, RESULT_TIMEOUT_S, PlainReplay, adam, max_weight_difference,  # noqa: E402
-                                reference_elementwise_loss, saved_weights)
+from tinker_sdk_helpers import (API_KEY, RESULT_TIMEOUT_S, PlainReplay, adam, assert_trained_like_replay,  # noqa: E402
+                                reference_elementwise_loss)
 
 pytestmark = pytest.mark.pr("zero-0-1")
 
@@ -107,8 +107,4 @@ def test_rl_losses_train_exactly_as_their_formulas(server, service, lora_rank: i
         assert optim.result(timeout=RESULT_TIMEOUT_S).metrics["fwdbwd_requests:sum"] >= len(calls)
         replay.optim_step(params)
 
-    saved = training.save_state("rl-final").result(timeout=RESULT_TIMEOUT_S)
-    difference = max_weight_difference(saved_weights(server.checkpoint_dir, saved.path), replay.state_dict())
-    assert difference < WEIGHT_ATOL, f"weights differ from the replay by {difference}"
-    moved = max_weight_difference(replay.initial, replay.state_dict())
-    assert moved > 100 * WEIGHT_ATOL, f"training barely moved the weights ({moved}): the comparison says nothing"
+    assert_trained_like_replay(training, server, replay, "rl-final", WEIGHT_ATOL)

@@ -23,8 +23,8 @@ tinker = require("tinker")
 from tinker import types  # noqa: E402
 
 from examples.tinker_server.model import LoraSpec  # noqa: E402
-from tinker_sdk_helpers import (API_KEY, RESULT_TIMEOUT_S, PlainReplay, adam, fwdbwd_proto,  # noqa: E402
-                                max_weight_difference, poll_once, post, random_data, result, saved_weights, to_sdk)
+from tinker_sdk_helpers import (API_KEY, RESULT_TIMEOUT_S, PlainReplay, adam, assert_trained_like_replay,  # noqa: E402
+                                fwdbwd_proto, poll_once, post, random_data, result, to_sdk)
 
 pytestmark = pytest.mark.pr("zero-0-1")
 
@@ -86,11 +86,7 @@ def test_training_equals_a_plain_pytorch_replay(server, service, lora_rank: int)
         assert metrics["fwdbwd_requests:sum"] == chunks and metrics["datums:sum"] == sum(calls)
         replay.optim_step(params)
 
-    saved = training.save_state("final").result(timeout=RESULT_TIMEOUT_S)
-    difference = max_weight_difference(saved_weights(server.checkpoint_dir, saved.path), replay.state_dict())
-    assert difference < WEIGHT_ATOL, f"weights differ from the replay by {difference}"
-    moved = max_weight_difference(replay.initial, replay.state_dict())
-    assert moved > 100 * WEIGHT_ATOL, f"training barely moved the weights ({moved}): the comparison says nothing"
+    assert_trained_like_replay(training, server, replay, "final", WEIGHT_ATOL)
 
 
 def new_model(service) -> str:

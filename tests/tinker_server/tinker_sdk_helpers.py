@@ -247,3 +247,13 @@ def saved_weights(checkpoint_root: Path, tinker_path: str) -> dict[str, torch.Te
 def max_weight_difference(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> float:
     assert sorted(actual) == sorted(expected), "the saved model has other parameters than the replay"
     return max(float((actual[k].float() - expected[k].float()).abs().max()) for k in expected)
+
+
+def assert_trained_like_replay(training, server, replay: "PlainReplay", name: str, atol: float) -> None:
+    """The server's saved weights equal the plain-PyTorch replay's, and training moved them well beyond
+    ``atol`` (otherwise the comparison says nothing)."""
+    saved = training.save_state(name).result(timeout=RESULT_TIMEOUT_S)
+    difference = max_weight_difference(saved_weights(server.checkpoint_dir, saved.path), replay.state_dict())
+    assert difference < atol, f"weights differ from the replay by {difference}"
+    moved = max_weight_difference(replay.initial, replay.state_dict())
+    assert moved > 100 * atol, f"training barely moved the weights ({moved}): the comparison says nothing"

@@ -6,7 +6,6 @@ pristine tree) as with the series.
 """
 
 import pytest
-import torch
 
 from support.paths import PATHS
 
@@ -14,7 +13,7 @@ pytestmark = pytest.mark.pr("zero-2")
 
 
 def _discarded_micro_batch_stays_discarded(path_name: str, reference_name: str) -> None:
-    from support.training import destroy, forward_loss, snapshot
+    from support.training import assert_params_close, destroy, forward_loss, snapshot
 
     results = []
     for name in (path_name, reference_name):
@@ -28,9 +27,7 @@ def _discarded_micro_batch_stays_discarded(path_name: str, reference_name: str) 
         results.append(snapshot(engine))
         destroy(engine)
     actual, expected = results
-    for name, p in expected.params.items():
-        torch.testing.assert_close(actual.params[name], p, rtol=1e-5, atol=1e-7,
-                                   msg=lambda m: f"{path_name} vs {reference_name}, {name}: {m}")
+    assert_params_close(actual.params, expected.params, f"{path_name} vs {reference_name}", rtol=1e-5, atol=1e-7)
 
 
 @pytest.mark.world_size(1, 2)

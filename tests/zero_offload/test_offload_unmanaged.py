@@ -13,7 +13,8 @@ import torch
 from support import scenarios
 from support.offload_paths import OFFLOAD_FP16_DYNAMIC, OFFLOAD_PATHS, ZERO3_OFFLOAD_BRANCHY
 from support.paths import PATHS
-from support.training import assert_identical, backward, destroy, forward_loss, run_managed, run_unmanaged, snapshot
+from support.training import (assert_identical, assert_params_close, backward, destroy, forward_loss, run_managed,
+                              run_unmanaged, snapshot)
 
 pytestmark = pytest.mark.pr("zero-offload")
 PATH_NAMES = sorted(OFFLOAD_PATHS)
@@ -328,14 +329,14 @@ def _unmanaged_unused_parameters_match_pytorch(stage: int, offload: bool) -> Non
     if offload:
         zero["offload_optimizer"] = {"device": "cpu"}
     plan = [1, 2, 3, 1, 2]  # the branch: unused in steps 2 and 4, first micro-batch only in step 1, ...
-    engine = Path(stage, "fp32", {**CLIP, "zero_optimization": zero}, model_fn=make_branchy_model).initialize(
-        gas=1, managed=False)
+    engine = Path(stage, "fp32", {
+        **CLIP, "zero_optimization": zero
+    }, model_fn=make_branchy_model).initialize(gas=1, managed=False)
     run_unmanaged(engine, plan, divide_by_n=True)
     actual = snapshot(engine).params
     destroy(engine)
     expected = pytorch_reference.run(make_branchy_model, plan, ds_comm.get_world_size(), CLIP["gradient_clipping"])
-    for name, p in expected.items():
-        torch.testing.assert_close(actual[name], p, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    assert_params_close(actual, expected, f"ZeRO-{stage}, plan {plan}", rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.world_size(2)
