@@ -20,30 +20,52 @@ if _HERE not in sys.path:
 
 from harness import SETTINGS, Dist, shutdown_pools  # noqa: E402
 
-#: patches/series, read directly (the order of the PRs; tools/stack.py parses the same format); env
-#: DS_SERIES_FILE names another one.
-SERIES_FILE = Path(os.environ.get("DS_SERIES_FILE") or Path(__file__).resolve().parent.parent / "patches" / "series")
-#: Bug-fix PRs are named ``fix-...`` and lead the series: the prefix they form is 0.19.3 plus bug fixes only.
+_ROOT = str(Path(__file__).resolve().parent.parent)
+if _ROOT not in sys.path:
+    sys.path.append(_ROOT)
+
+from tools import stack  # noqa: E402
+
+#: Bug-fix PRs are named ``fix-...`` and lead their series: the prefix they form is the base plus bug fixes only.
 FIX_PREFIX = "fix-"
 DEFAULT_WORLD_SIZE = 2
-#: Versions of a DeepSpeed without any PR of the series (``stack.py install --upto 0`` gives the second).
-PRISTINE_VERSIONS = ("0.19.3", "0.19.3+unmanagedga.0")
+
+
+def _installed_deepspeed() -> str | None:
+    try:
+        return importlib.metadata.version("deepspeed")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _tested_base() -> str:
+    """The upstream release under test: the installed DeepSpeed's, if the project has a series for it (env
+    DS_SERIES_BASE otherwise, then the default base)."""
+    installed = (_installed_deepspeed() or "").split("+")[0]
+    if installed in stack.available_bases():
+        return installed
+    return os.environ.get(stack.BASE_ENV) or stack.DEFAULT_BASE
+
+
+#: The tested base and its series index (env DS_SERIES_FILE names another index, for the harness's own tests).
+BASE = stack.use_base(_tested_base())
+SERIES_FILE = Path(os.environ.get("DS_SERIES_FILE") or stack.SERIES_FILE)
+#: Versions of a DeepSpeed of this base without any PR of its series (``stack.py install --upto 0`` gives the
+#: second).
+PRISTINE_VERSIONS = (BASE.version, stack.version_for(0))
 
 
 def read_series(series_file: Path = SERIES_FILE) -> list[str]:
     """The PRs' short names in stack order (index 0 is PR 1)."""
-    names = []
-    for line in series_file.read_text(encoding="utf-8").splitlines():
-        line = line.strip()
-        if line and not line.startswith("#"):
-            names.append(line.split(maxsplit=1)[0])
-    return names
+    return [patch.name for patch in stack.read_series(series_file)]
 
 
 SERIES = read_series()
 MAX_PR = len(SERIES)
 PR_INDEX = {name: index for index, name in enumerate(SERIES, start=1)}
 FIX_PRS = [name for name in SERIES if name.startswith(FIX_PREFIX)]
+#: Short names of every base's series: a test may name PRs of several (the same promise, made by each).
+KNOWN_PRS = set(SERIES).union(*(read_series(stack.load_base(v).folder / "series") for v in stack.available_bases()))
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -51,7 +73,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--upto",
                     default=None,
                     metavar="K",
-                    help=f"run only tests of PRs 0..K, K a position in patches/series (0 = tooling, 1..{MAX_PR}) "
+                    help=f"run only tests of PRs 0..K, K a position in {SERIES_FILE} (0 = tooling, 1..{MAX_PR}) "
                     "or a PR short name; env DS_SERIES_UPTO; default: all")
     group.addoption("--regressions-on-pristine",
                     action="store_true",
@@ -74,8 +96,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
-        "markers", "pr(name): the test belongs to the PR of patches/series with this short name; "
-        "unmarked tests are tooling (PR 0)")
+        "markers", "pr(*names): the test belongs to the PR with this short name in the tested base's series "
+        "(the latest of those named; the whole series if it names none of them); unmarked tests are tooling (PR 0)")
+    config.addinivalue_line(
+        "markers", "base(*versions): the test checks the internals of these bases' series only (skipped on others)")
     config.addinivalue_line(
         "markers", "world_size(*sizes): run the test once per world size through the "
         f"`dist` fixture (default {DEFAULT_WORLD_SIZE})")
@@ -95,7 +119,7 @@ def _upto(config: pytest.Config) -> int | None:
     try:
         upto = int(value)
     except ValueError:
-        raise pytest.UsageError(f"--upto takes 0..{MAX_PR} or a PR short name of patches/series, got {value!r}")
+        raise pytest.UsageError(f"--upto takes 0..{MAX_PR} or a PR short name of {SERIES_FILE}, got {value!r}")
     if not 0 <= upto <= MAX_PR:
         raise pytest.UsageError(f"--upto must be in 0..{MAX_PR}, got {upto}")
     return upto
@@ -115,20 +139,34 @@ def _world_sizes(config: pytest.Config) -> set[int] | None:
 
 
 def pr_name_of(item: pytest.Item) -> str | None:
-    """The short name of the PR a test belongs to (its closest ``pr`` marker), None for tooling."""
+    """The short name of the PR of the tested series a test belongs to (its closest ``pr`` marker; the last
+    PR of the series if the marker names none of it), None for tooling."""
     marker = item.get_closest_marker("pr")
     if marker is None:
         return None
-    if len(marker.args) != 1 or marker.args[0] not in PR_INDEX:
-        raise pytest.UsageError(f"{item.nodeid}: use @pytest.mark.pr(name) with a short name from patches/series "
-                                f"({', '.join(SERIES)}), got {marker}")
-    return marker.args[0]
+    if not marker.args or not all(name in KNOWN_PRS for name in marker.args):
+        raise pytest.UsageError(f"{item.nodeid}: use @pytest.mark.pr(name, ...) with short names from a series "
+                                f"index ({', '.join(SERIES)} in {SERIES_FILE}), got {marker}")
+    here = [name for name in marker.args if name in PR_INDEX]
+    return max(here, key=PR_INDEX.__getitem__) if here else SERIES[-1] if SERIES else None
 
 
 def pr_of(item: pytest.Item) -> int:
     """The position in the series of the PR a test belongs to, 0 for tooling."""
     name = pr_name_of(item)
     return 0 if name is None else PR_INDEX[name]
+
+
+def _other_base(item: pytest.Item) -> str | None:
+    """Why a test of another base's series is skipped here (None if it applies to this base): it checks that
+    series' internals, or it is the regression test of a bug fix this series does not carry."""
+    marker = item.get_closest_marker("base")
+    if marker is not None and BASE.version not in marker.args:
+        return f"tests the {' / '.join(marker.args)} series' internals; this is deepspeed {BASE.version}"
+    marker = item.get_closest_marker("pr")
+    if marker is not None and all(n.startswith(FIX_PREFIX) and n not in PR_INDEX for n in marker.args):
+        return f"regression test of {', '.join(marker.args)}, a bug fix the {BASE.version} series does not carry"
+    return None
 
 
 def _check_pristine() -> None:
@@ -163,6 +201,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         callspec = getattr(item, "callspec", None)
         world_size = callspec.params.get("dist") if callspec is not None else None
         name = pr_name_of(item)  # validates every marker
+        skip_reason = _other_base(item)
+        if skip_reason is not None:
+            item.add_marker(pytest.mark.skip(reason=skip_reason))
         if on_pristine:
             wanted = name is not None and name.startswith(FIX_PREFIX)
         else:

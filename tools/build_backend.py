@@ -1,9 +1,12 @@
-"""PEP 517 backend: ``pip install .`` builds DeepSpeed 0.19.3 with the whole patch series applied.
+"""PEP 517 backend: ``pip install .`` builds DeepSpeed 0.19.3 with its whole patch series applied;
+``DS_SERIES_BASE=0.19.8 pip install .`` builds 0.19.8 with its follow-up series.
 
 The project itself holds only patches, so the wheel is built from the pinned upstream sdist (fetched
-and verified by ``stack.py``) after applying every PR in ``patches/series``. The wheel is DeepSpeed's
-own, built by its own ``setup.py`` with JIT-compiled ops, and versioned ``0.19.3+unmanagedga.<n>``.
-DeepSpeed's ``setup.py`` needs no torch to build, so pip's isolated build never pulls one.
+and verified by ``stack.py``) after applying every PR in ``patches/deepspeed-<version>/series``. The wheel
+is DeepSpeed's own, built by its own ``setup.py`` with JIT-compiled ops, and versioned
+``<version>+<series tag>.<n>`` (``0.19.3+unmanagedga.<n>``). DeepSpeed's ``setup.py`` needs no torch to
+build, so pip's isolated build never pulls one. Upstream's tests/ and docs/, which some series lay into
+the tree for their PRs' tests, are not needed here: without them those hunks are left out.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from setuptools import build_meta as _setuptools  # noqa: E402
 
 
 def _patched_tree(workdir: str) -> Path:
-    return stack.materialize(Path(workdir) / "deepspeed", upto=None)
+    return stack.materialize(Path(workdir) / "deepspeed", upto=None, require_extras=False)
 
 
 def build_wheel(wheel_directory, config_settings=None, metadata_directory=None):

@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Lint the patch series the way DeepSpeed's pre-commit does at v0.19.3, one PR at a time.
+"""Lint a patch series the way DeepSpeed's pre-commit does (its tools as pinned at v0.19.3, for every base), one PR
+at a time.
 
 For every PR K and every file it adds or modifies, compare the file after PR K with the same file
 before it (after PR K-1; the pristine sdist for PR 1) and report only what PR K introduces:
@@ -9,8 +10,9 @@ before it (after PR K-1; the pristine sdist for PR 1) and report only what PR K 
   code and message (line numbers aside) are not in the file before;
 - codespell: misspellings in the lines the PR adds that are not in the lines it removes.
 
-By default the series in patches/ is materialized into a temporary folder; ``--tree`` lints the
-commits of an existing materialized tree instead (committed work only). Exit status 1 on findings.
+By default the series of the base (``--base``, as in stack.py) is materialized into a temporary folder;
+``--tree`` lints the commits of an existing materialized tree instead (committed work only). Exit status 1
+on findings.
 """
 
 from __future__ import annotations
@@ -262,10 +264,14 @@ def report(results: dict[stack.Patch, list[Finding]]) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="lint_series.py", description=__doc__.splitlines()[0])
+    parser.add_argument("--base", metavar="VERSION", help="the upstream release whose series to lint (as in stack.py)")
     parser.add_argument("--upto", type=int, help="lint only the first K PRs")
-    parser.add_argument("--tree", type=Path, help="lint the commits of this materialized tree (e.g. deepspeed-src)")
+    parser.add_argument("--tree", type=Path,
+                        help="lint the commits of this materialized tree (e.g. deepspeed-src/0.19.3)")
     args = parser.parse_args(argv)
     try:
+        if args.base is not None:
+            stack.use_base(args.base)
         patches = stack.select(stack.read_series(), args.upto)
         if args.tree is not None:
             results = lint_tree(args.tree, patches)

@@ -5,6 +5,10 @@ The project holds only patches. This tool turns them into a git repository to ed
 (``materialize``), turns that repository back into patches (``export``), proves the two agree
 (``check``) and installs the upstream tree patched up to any prefix of the series (``install``).
 
+The repository keeps one series per upstream release, each in ``patches/deepspeed-<version>/`` with a
+``base.toml`` pinning that release's sdist; ``--base <version>`` (or ``$DS_SERIES_BASE``) picks the one
+to work on, 0.19.3 by default. A new base is one more such folder.
+
 Only the standard library and the ``git`` and ``pip`` executables are used. Git always runs with
 the user's and the system's configuration ignored, so a developer's settings cannot change the
 exported bytes.
@@ -21,21 +25,24 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import tomllib
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
 UPSTREAM_NAME = "deepspeed"
-UPSTREAM_VERSION = "0.19.3"
-UPSTREAM_SHA256 = "82b4b92d0cd58f8fc461b80428a5be2838f4adad48ae3aef509495c640c9ed2f"
-SDIST_NAME = f"{UPSTREAM_NAME}-{UPSTREAM_VERSION}.tar.gz"
-SERIES_TAG = "unmanagedga"
 UPSTREAM_TAG = "upstream"
 
 ROOT = Path(__file__).resolve().parent.parent
-PATCHES_DIR = ROOT / "patches"
-SERIES_FILE = PATCHES_DIR / "series"
-TREE_DIR = ROOT / "deepspeed-src"
-PREFIX_DIR = ROOT / "build"
+#: One folder per upstream base, ``patches/deepspeed-<version>/``: ``base.toml`` (the pinned sdist, the series'
+#: name, upstream files the sdist lacks), the ``series`` index and one ``<short-name>.patch`` per PR.
+PATCHES_ROOT = ROOT / "patches"
+#: The base every command works on unless ``--base`` names another: ``$DS_SERIES_BASE`` or this one.
+BASE_ENV = "DS_SERIES_BASE"
+DEFAULT_BASE = "0.19.3"
+#: Environment variable naming the folder of upstream files (see ``[extras]`` in base.toml) to use instead of the
+#: one base.toml names.
+EXTRAS_ENV = "DS_SERIES_UPSTREAM_FILES"
 
 #: Environment variable naming a local sdist to use instead of downloading one (offline use).
 SDIST_ENV = "DS_SERIES_SDIST"
@@ -80,6 +87,75 @@ class Patch:
     @property
     def path(self) -> Path:
         return PATCHES_DIR / f"{self.name}.patch"
+
+
+@dataclass(frozen=True)
+class Extras:
+    """Upstream files the sdist lacks (its tests/ and docs/), laid into the tree so that PRs can carry tests and
+    docs in DeepSpeed's own form. Each is pinned by sha256; the folder they come from is not part of the
+    project (``$DS_SERIES_UPSTREAM_FILES`` or ``source`` in base.toml, relative to the repository root)."""
+
+    source: Path
+    commit: str
+    sha256: dict[str, str]
+    #: Where each file can be downloaded when ``source`` is absent: ``{commit}`` and ``{path}`` are filled in.
+    url: str | None = None
+
+    @property
+    def top_levels(self) -> list[str]:
+        return sorted({path.split("/", 1)[0] for path in self.sha256})
+
+
+@dataclass(frozen=True)
+class Base:
+    """An upstream release the project keeps a series for: ``patches/deepspeed-<version>/base.toml``."""
+
+    version: str
+    sha256: str
+    series_tag: str
+    folder: Path
+    extras: Extras | None = None
+
+
+def available_bases() -> list[str]:
+    """The versions with a series folder, oldest first."""
+    versions = [p.parent.name[len(UPSTREAM_NAME) + 1:] for p in PATCHES_ROOT.glob(f"{UPSTREAM_NAME}-*/base.toml")]
+    return sorted(versions, key=lambda v: tuple(int(x) if x.isdigit() else x for x in v.split(".")))
+
+
+def load_base(version: str) -> Base:
+    folder = PATCHES_ROOT / f"{UPSTREAM_NAME}-{version}"
+    if not (folder / "base.toml").is_file():
+        raise StackError(f"no series for {UPSTREAM_NAME} {version!r}: {folder / 'base.toml'} does not exist "
+                         f"(bases: {', '.join(available_bases()) or 'none'})")
+    with (folder / "base.toml").open("rb") as f:
+        data = tomllib.load(f)
+    try:
+        upstream, series = data["upstream"], data["series"]
+        if upstream["version"] != version:
+            raise StackError(f"{folder / 'base.toml'} pins {upstream['version']}, but its folder names {version}")
+        extras = None
+        if "extras" in data:
+            source = os.environ.get(EXTRAS_ENV) or data["extras"]["source"]
+            extras = Extras((ROOT / source).resolve(), data["extras"]["commit"], dict(data["extras"]["sha256"]),
+                            data["extras"].get("url"))
+        return Base(version, upstream["sha256"], series["tag"], folder, extras)
+    except KeyError as err:
+        raise StackError(f"{folder / 'base.toml'} lacks {err}") from None
+
+
+def use_base(version: str) -> Base:
+    """Point the module at one base: every command below works on its sdist, series, tree and prefix trees."""
+    global BASE, UPSTREAM_VERSION, UPSTREAM_SHA256, SDIST_NAME, SERIES_TAG, PATCHES_DIR, SERIES_FILE, TREE_DIR
+    global PREFIX_DIR
+    BASE = load_base(version)
+    UPSTREAM_VERSION, UPSTREAM_SHA256, SERIES_TAG = BASE.version, BASE.sha256, BASE.series_tag
+    SDIST_NAME = f"{UPSTREAM_NAME}-{UPSTREAM_VERSION}.tar.gz"
+    PATCHES_DIR = BASE.folder
+    SERIES_FILE = PATCHES_DIR / "series"
+    TREE_DIR = ROOT / "deepspeed-src" / UPSTREAM_VERSION
+    PREFIX_DIR = ROOT / "build" / UPSTREAM_VERSION
+    return BASE
 
 
 def version_for(upto: int) -> str:
@@ -137,7 +213,8 @@ def sha256_of(path: Path) -> str:
     return digest.hexdigest()
 
 
-def verify_sdist(path: Path, expected: str = UPSTREAM_SHA256) -> Path:
+def verify_sdist(path: Path, expected: str | None = None) -> Path:
+    expected = expected or UPSTREAM_SHA256
     if not path.is_file():
         raise StackError(f"{path} does not exist (set ${SDIST_ENV} to a local {SDIST_NAME}, or unset it)")
     actual = sha256_of(path)
@@ -223,27 +300,77 @@ def git(repo: Path, *args: str, check: bool = True, input: str | None = None) ->
     return result.stdout
 
 
-def init_upstream_repo(dest: Path) -> None:
-    """Create ``dest`` as a git repository holding the pristine sdist in one tagged commit."""
+def init_upstream_repo(dest: Path, require_extras: bool = True) -> bool:
+    """Create ``dest`` as a git repository holding the pristine sdist in one commit, plus the base's upstream
+    files the sdist lacks in a second one; the last is tagged ``upstream``. Returns whether those files are in.
+
+    Without ``require_extras`` upstream files that are neither in their folder nor cached are not downloaded but
+    left out (building a wheel needs only ``deepspeed/``); the PRs are then applied without their tests and docs."""
     if dest.exists():
         raise StackError(f"{dest} already exists; remove it first (after exporting any work in it)")
+    extras = BASE.extras
+    folder = None
+    if extras is not None:
+        try:
+            folder = extras_folder(extras, download=require_extras)
+        except StackError:
+            if require_extras:
+                raise
     extract_sdist(fetch(), dest)
     git(dest, "init", "--quiet", "--initial-branch=main")
     (dest / ".git" / "info" / "exclude").write_text("\n".join(UNTRACKED_BUILD_OUTPUTS) + "\n")
     git(dest, "add", "--all", "--force")
     git(dest, "commit", "--quiet", "--no-verify", "-m", f"{UPSTREAM_NAME} {UPSTREAM_VERSION} (pristine sdist)")
+    if folder is not None:
+        for relative in extras.sha256:
+            _write_bytes(dest / relative, (folder / relative).read_bytes())
+        git(dest, "add", "--force", "--", *extras.sha256)
+        git(dest, "commit", "--quiet", "--no-verify", "-m",
+            f"Upstream {', '.join(d + '/' for d in extras.top_levels)} at {extras.commit[:12]} (not in the sdist)")
     git(dest, "tag", UPSTREAM_TAG)
     tracked = git(dest, "ls-files", "--", *BUILD_OUTPUTS).split()
     git(dest, "update-index", "--skip-worktree", *tracked)
+    return folder is not None
 
 
-def apply_patches(repo: Path, patches: list[Patch]) -> None:
+def extras_folder(extras: Extras, download: bool = True) -> Path:
+    """The folder holding the base's pinned upstream files: ``source`` if it exists, else a download of them
+    (from ``url``) cached per commit. Every file is checked against its pinned sha256."""
+    folder = extras.source
+    if not folder.is_dir():
+        folder = cache_dir() / "upstream-files" / extras.commit
+        missing = [relative for relative in extras.sha256 if not (folder / relative).is_file()]
+        if missing and (extras.url is None or not download):
+            raise StackError(f"{UPSTREAM_NAME} {UPSTREAM_VERSION}'s series needs upstream's "
+                             f"{', '.join(d + '/' for d in extras.top_levels)} files at {extras.source} (set "
+                             f"${EXTRAS_ENV} to their folder)")
+        for relative in missing:
+            url = extras.url.format(commit=extras.commit, path=relative)
+            try:
+                with urllib.request.urlopen(url, timeout=60) as response:
+                    data = response.read()
+            except OSError as err:
+                raise StackError(f"{extras.source} does not exist and {url} could not be downloaded ({err}); set "
+                                 f"${EXTRAS_ENV} to a folder holding upstream's files at {extras.commit}") from None
+            partial = (folder / relative).with_suffix(".partial")
+            _write_bytes(partial, data)
+            partial.replace(folder / relative)
+    for relative, expected in extras.sha256.items():
+        path = folder / relative
+        actual = sha256_of(path) if path.is_file() else "missing"
+        if actual != expected:
+            raise StackError(f"{path}: sha256 {actual}, expected {expected} (upstream commit {extras.commit})")
+    return folder
+
+
+def apply_patches(repo: Path, patches: list[Patch], exclude: list[str] = ()) -> None:
+    """Apply and tag each PR; ``exclude`` leaves out paths matching these patterns (``git apply --exclude``)."""
     for patch in patches:
         if not patch.path.exists():
             raise StackError(f"{patch.path} is listed in {SERIES_FILE.name} but missing")
-        result = subprocess.run(["git", *_GIT_CONFIG, "am", "--quiet", "--keep", "--keep-cr", str(patch.path)],
-                                cwd=repo, env={**os.environ, **_GIT_ENV}, text=True, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT)
+        argv = ["git", *_GIT_CONFIG, "am", "--quiet", "--keep", "--keep-cr", *(f"--exclude={e}" for e in exclude)]
+        result = subprocess.run([*argv, str(patch.path)], cwd=repo, env={**os.environ, **_GIT_ENV}, text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         if result.returncode != 0:
             git(repo, "am", "--abort", check=False)
             raise StackError(f"PR {patch.index} ({patch.path.name}) does not apply:\n{result.stdout.strip()}")
@@ -269,12 +396,13 @@ def commit_subject(repo: Path, commit: str) -> str:
 # --------------------------------------------------------------------------------------------
 
 
-def materialize(dest: Path | None = None, upto: int | None = None) -> Path:
-    """Build the editable repository: pristine commit (tagged ``upstream``) plus one commit per PR."""
+def materialize(dest: Path | None = None, upto: int | None = None, require_extras: bool = True) -> Path:
+    """Build the editable repository: pristine commit(s) (tagged ``upstream``) plus one commit per PR."""
     dest = dest or TREE_DIR
     patches = select(read_series(), upto)
-    init_upstream_repo(dest)
-    apply_patches(dest, patches)
+    with_extras = init_upstream_repo(dest, require_extras)
+    extras = BASE.extras
+    apply_patches(dest, patches, [] if with_extras or extras is None else [f"{d}/*" for d in extras.top_levels])
     return dest
 
 
@@ -365,7 +493,7 @@ def prefix_tree(upto: int) -> Path:
     dest = PREFIX_DIR / f"deepspeed-upto-{upto}"
     if dest.exists():
         shutil.rmtree(dest)
-    materialize(dest, upto)
+    materialize(dest, upto, require_extras=False)
     return dest
 
 
@@ -450,13 +578,17 @@ def _read_bytes(path: Path) -> bytes:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="stack.py", description=__doc__.splitlines()[0])
+    parser.add_argument("--base", default=None, metavar="VERSION",
+                        help=f"the upstream release whose series to work on ({', '.join(available_bases())}; "
+                        f"default ${BASE_ENV} or {DEFAULT_BASE})")
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("fetch", help=f"download and verify {SDIST_NAME} (or use ${SDIST_ENV})")
-    p = sub.add_parser("materialize", help=f"create {TREE_DIR.name}/: upstream + one commit per PR")
+    sub.add_parser("fetch", help=f"download and verify the pinned sdist (or use ${SDIST_ENV})")
+    p = sub.add_parser("materialize", help="create deepspeed-src/<version>/: upstream + one commit per PR")
     p.add_argument("--upto", type=int, help="apply only the first K PRs")
     p.add_argument("--force", action="store_true", help="replace an existing tree (its unexported work is lost)")
-    sub.add_parser("export", help=f"regenerate patches/ from {TREE_DIR.name}/")
+    sub.add_parser("export", help="regenerate patches/deepspeed-<version>/ from deepspeed-src/<version>/")
     sub.add_parser("check", help="patches apply in order; the materialized tree has nothing unexported")
+    sub.add_parser("version", help="print the version `pip install .` gives for the base (the whole series)")
     p = sub.add_parser("submit", help="write the series for sending upstream, signed off by you (DCO)")
     p.add_argument("--author", help="'Name <email>' for From: and Signed-off-by: (default: your git identity)")
     p.add_argument("--out", type=Path, default=ROOT / "dist" / "series", help="folder to write (default: dist/series)")
@@ -466,6 +598,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="editable install (default: editable for the dev tree, not for --upto)")
     args = parser.parse_args(argv)
     try:
+        if args.base is not None:
+            use_base(args.base)
         if args.command == "fetch":
             print(fetch())
         elif args.command == "materialize":
@@ -475,13 +609,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"materialized {len(stack_commits(tree))} PR(s) on '{UPSTREAM_TAG}' in {tree}")
         elif args.command == "export":
             patches = export()
-            print(f"exported {len(patches)} PR(s) to {PATCHES_DIR}")
+            print(f"exported {len(patches)} PR(s) to {PATCHES_DIR.relative_to(ROOT)}")
         elif args.command == "check":
             problems = check()
             if problems:
                 print("stack check failed:\n- " + "\n- ".join(problems), file=sys.stderr)
                 return 1
             print(f"stack check passed: {len(read_series())} PR(s) apply to {SDIST_NAME}; nothing unexported")
+        elif args.command == "version":
+            print(version_for(len(read_series())))
         elif args.command == "submit":
             for path in submit(args.out, args.author):
                 print(path)
@@ -493,6 +629,15 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     return 0
 
+
+def _use_default_base() -> None:
+    try:
+        use_base(os.environ.get(BASE_ENV) or DEFAULT_BASE)
+    except StackError as err:
+        raise SystemExit(f"error: ${BASE_ENV}: {err}") from None
+
+
+_use_default_base()
 
 if __name__ == "__main__":
     sys.exit(main())

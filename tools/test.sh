@@ -3,6 +3,7 @@
 #
 #   bash tools/test.sh [pytest options, e.g. --upto 1 --world-sizes 1,2 -x]
 #   bash tools/test.sh --install-only      # only create/update the environment
+#   DS_SERIES_BASE=0.19.8 bash tools/test.sh   # the same for DeepSpeed 0.19.8 + its follow-up series
 #
 # Creates (or reuses) the virtualenv $DS_SERIES_VENV (default .venv), installs into it torch 2.13.0,
 # the pinned requirements and this project the README's way (`pip install .`: DeepSpeed 0.19.3 with
@@ -14,9 +15,18 @@
 set -euo pipefail
 
 DS_SERIES_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-DS_SERIES_VENV="${DS_SERIES_VENV:-.venv}"
+# The upstream release to build (patches/deepspeed-<version>/); each gets its own default virtualenv.
+DS_SERIES_BASE="${DS_SERIES_BASE:-0.19.3}"
+export DS_SERIES_BASE
+if [[ "$DS_SERIES_BASE" == 0.19.3 ]]; then
+    DS_SERIES_VENV="${DS_SERIES_VENV:-.venv}"
+else
+    DS_SERIES_VENV="${DS_SERIES_VENV:-.venv-$DS_SERIES_BASE}"
+fi
 case "$DS_SERIES_VENV" in /*) ;; *) DS_SERIES_VENV="$DS_SERIES_ROOT/$DS_SERIES_VENV" ;; esac
 DS_SERIES_PY="$DS_SERIES_VENV/bin/python"
+# JIT-built ops go with the virtualenv: two builds sharing one folder would rebuild each other's ops.
+export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$DS_SERIES_VENV/torch_extensions}"
 # Installed after torch. The Tinker-server tests need the SDK and the server's dependencies.
 DS_SERIES_REQUIREMENTS=(requirements/runtime.txt requirements/dev.txt requirements/tinker-server.txt)
 
@@ -28,17 +38,16 @@ _ds_series_inputs_digest() {
         cd "$DS_SERIES_ROOT"
         local f
         for f in "${DS_SERIES_REQUIREMENTS[@]}" requirements/*.txt pyproject.toml tools/build_backend.py \
-            tools/stack.py patches/series patches/*.patch; do
+            tools/stack.py patches/*/*; do
             [[ -f "$f" ]] && printf '%s\n' "$f" && cat "$f"
         done
+        echo "base $DS_SERIES_BASE"
         "$DS_SERIES_PY" --version 2>&1 || true
     ) | sha256sum | cut -d' ' -f1
 }
 
 _ds_series_expected_version() {
-    local n
-    n=$(grep -cvE '^[[:space:]]*(#|$)' "$DS_SERIES_ROOT/patches/series" || true)
-    echo "0.19.3+unmanagedga.$n"
+    python3 "$DS_SERIES_ROOT/tools/stack.py" --base "$DS_SERIES_BASE" version
 }
 
 _ds_series_installed_version() {
@@ -93,7 +102,7 @@ ds_series_setup() {
     # tinker-cookbook declares a dependency the index cannot satisfy; tinker-client.txt pins what it needs.
     _ds_series_log "installing requirements/tinker-cookbook.txt (--no-deps)"
     "${pip[@]}" --no-deps -r "$DS_SERIES_ROOT/requirements/tinker-cookbook.txt"
-    _ds_series_log "installing this project: pip install . (DeepSpeed 0.19.3 + the patch series)"
+    _ds_series_log "installing this project: DS_SERIES_BASE=$DS_SERIES_BASE pip install . (DeepSpeed $DS_SERIES_BASE + its series)"
     (cd "$DS_SERIES_ROOT" && "${pip[@]}" --force-reinstall --no-deps .)
     local got
     got=$(_ds_series_installed_version)

@@ -334,7 +334,45 @@ def test_pr_markers_name_prs_of_the_series(tmp_path):
     named.mkdir()
     (old / "test_sample.py").write_text("import pytest\n\n@pytest.mark.pr(2)\ndef test_old():\n    pass\n")
     rc, out = _child_pytest(old)
-    assert rc != 0 and "use @pytest.mark.pr(name) with a short name from patches/series" in out, out
+    assert rc != 0 and "use @pytest.mark.pr(name, ...) with short names from a series index" in out, out
     (named / "test_sample.py").write_text(REGRESSION_SAMPLE.format(fails="True"))
     rc, out = _child_pytest(named, "--upto", "feature-a", "-k", "regression or feature")
     assert rc == 1 and "1 failed, 1 passed, 1 deselected" in out, out
+
+
+BASES_SAMPLE = textwrap.dedent("""
+    import pytest
+
+    @pytest.mark.pr("feature-a", "zero-2")
+    def test_promise_of_both_series():
+        pass
+
+    @pytest.mark.pr("zero-2")
+    def test_promise_named_by_the_other_series_only():
+        pass
+
+    @pytest.mark.pr("fix-zero3-allgather-wait")
+    def test_regression_of_a_fix_this_series_lacks():
+        pass
+
+    @pytest.mark.base("0.0.1")
+    @pytest.mark.pr("feature-a")
+    def test_internals_of_another_series():
+        pass
+""")
+
+
+def test_pr_markers_across_bases(tmp_path):
+    """A test names the PR of each series that makes its promise; a name only another series has puts it at
+    the end of this one; another series' fixes and internals are skipped here, saying why."""
+    first, second = tmp_path / "all", tmp_path / "upto"
+    for folder in (first, second):
+        folder.mkdir()
+        (folder / "test_sample.py").write_text(BASES_SAMPLE)
+    rc, out = _child_pytest(first, "-v")
+    assert rc == 0 and "2 passed, 2 skipped" in out, out
+    assert "a bug fix the 0.19.3 series does not carry" in out, out
+    assert "tests the 0.0.1 series' internals" in out, out
+    rc, out = _child_pytest(second, "--upto", "feature-a", "-k", "promise", "-v")
+    assert rc == 0 and "1 passed, 3 deselected" in out, out
+    assert "test_promise_of_both_series PASSED" in out, out

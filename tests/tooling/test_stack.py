@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import re
 import shutil
 import subprocess
 import sys
@@ -23,7 +24,7 @@ sys.path.insert(0, str(ROOT / "tools"))
 
 import stack  # noqa: E402
 
-REAL_PATCHES = ROOT / "patches"
+REAL_PATCHES = stack.PATCHES_ROOT / f"deepspeed-{stack.DEFAULT_BASE}"
 
 
 @pytest.fixture(scope="session")
@@ -269,3 +270,78 @@ def test_submit_signs_every_pr_with_the_submitter_and_leaves_patches_alone(proje
         stack.submit(tmp_path / "none")
     with pytest.raises(stack.StackError, match="Name <email>"):
         stack.submit(tmp_path / "bad", "jane")
+
+
+# -- bases: one series per upstream release ------------------------------------------------------
+
+
+@pytest.fixture
+def other_base():
+    """Switch the module to another base for one test, then back to the default."""
+    yield stack.use_base
+    stack.use_base(stack.DEFAULT_BASE)
+
+
+def test_every_base_folder_pins_its_release_and_names_its_series(other_base):
+    assert stack.available_bases()[0] == stack.DEFAULT_BASE
+    for version in stack.available_bases():
+        base = other_base(version)
+        assert base.folder == ROOT / "patches" / f"deepspeed-{version}"
+        assert re.fullmatch(r"[0-9a-f]{64}", base.sha256)
+        assert stack.SERIES_FILE == base.folder / "series" and stack.SERIES_FILE.is_file()
+        assert stack.TREE_DIR == ROOT / "deepspeed-src" / version
+        assert stack.version_for(2) == f"{version}+{base.series_tag}.2"
+    tags = [other_base(v).series_tag for v in stack.available_bases()]
+    assert len(set(tags)) == len(tags), "each series needs its own version label"
+
+
+def test_unknown_base_is_a_clear_error_listing_the_known_ones(other_base, capsys):
+    with pytest.raises(stack.StackError, match=r"no series for deepspeed '0\.1\.0'.*bases: 0\.19\.3"):
+        other_base("0.1.0")
+    assert stack.main(["--base", "0.1.0", "check"]) == 1
+    assert "base.toml does not exist" in capsys.readouterr().err
+
+
+def _base_with_extras(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sdist: Path) -> stack.Base:
+    """The default base with one made-up upstream file to lay into the tree."""
+    source = tmp_path / "upstream"
+    (source / "tests").mkdir(parents=True)
+    (source / "tests" / "conftest.py").write_text("# upstream's\n")
+    extras = stack.Extras(source, "0" * 40, {"tests/conftest.py": stack.sha256_of(source / "tests" / "conftest.py")})
+    base = stack.Base(stack.UPSTREAM_VERSION, stack.UPSTREAM_SHA256, stack.SERIES_TAG, stack.PATCHES_DIR, extras)
+    monkeypatch.setattr(stack, "BASE", base)
+    monkeypatch.setenv(stack.SDIST_ENV, str(sdist))
+    return base
+
+
+def test_upstream_files_are_laid_in_below_the_upstream_tag(tmp_path, monkeypatch, sdist):
+    _base_with_extras(tmp_path, monkeypatch, sdist)
+    tree = stack.materialize(tmp_path / "tree", upto=0)
+    assert (tree / "tests" / "conftest.py").read_text() == "# upstream's\n"
+    assert stack.git(tree, "rev-list", "--count", stack.UPSTREAM_TAG).strip() == "2"
+    assert "not in the sdist" in stack.commit_subject(tree, stack.UPSTREAM_TAG)
+
+
+def test_upstream_files_are_pinned_and_required_for_a_development_tree(tmp_path, monkeypatch, sdist):
+    base = _base_with_extras(tmp_path, monkeypatch, sdist)
+    (base.extras.source / "tests" / "conftest.py").write_text("# edited\n")
+    with pytest.raises(stack.StackError, match="sha256 .*expected"):
+        stack.materialize(tmp_path / "edited", upto=0)
+    (base.extras.source / "tests" / "conftest.py").write_text("# upstream's\n")
+    mirror = tmp_path / "mirror"
+    shutil.copytree(base.extras.source, mirror / base.extras.commit)
+    shutil.rmtree(base.extras.source)
+    monkeypatch.setenv(stack.CACHE_ENV, str(tmp_path / "cache"))
+    with pytest.raises(stack.StackError, match=re.escape(stack.EXTRAS_ENV)):
+        stack.materialize(tmp_path / "missing", upto=0)
+    # A wheel needs only deepspeed/: without the folder the tree is built without those files.
+    tree = stack.materialize(tmp_path / "wheel", upto=0, require_extras=False)
+    assert not (tree / "tests").exists()
+    assert stack.git(tree, "rev-list", "--count", stack.UPSTREAM_TAG).strip() == "1"
+    # With a download address they are fetched once into the cache, and checked there.
+    url = f"file://{mirror}/{{commit}}/{{path}}"
+    extras = stack.Extras(base.extras.source, base.extras.commit, base.extras.sha256, url)
+    monkeypatch.setattr(stack, "BASE", stack.Base(base.version, base.sha256, base.series_tag, base.folder, extras))
+    tree = stack.materialize(tmp_path / "downloaded", upto=0)
+    assert (tree / "tests" / "conftest.py").read_text() == "# upstream's\n"
+    assert (tmp_path / "cache" / "upstream-files" / base.extras.commit / "tests" / "conftest.py").is_file()
