@@ -91,3 +91,40 @@ def _hybrid_engine_takes_the_factor() -> None:
 @pytest.mark.world_size(2)
 def test_hybrid_engine_step_takes_the_factor(dist):
     dist.run(_hybrid_engine_takes_the_factor)
+
+
+def _divide_ratio_declarations_body(path_name: str) -> str:
+    """Which optimizers apply gradient_divide_ratio is declared on the classes, not guessed from attributes; a
+    ZeRO-2/3 optimizer that reduces the gradients itself without applying it is refused on every rank, not
+    silently given an unnormalised gradient."""
+    import torch
+
+    from deepspeed.runtime.base_optimizer import DeepSpeedOptimizer, ZeROOptimizer
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+    from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
+    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+    from support.paths import PATHS
+    from support.training import destroy, forward_loss, snapshot
+
+    assert "gradient_divide_ratio" in DeepSpeedOptimizer.__dict__
+    declared = {cls: cls.applies_gradient_divide_ratio for cls in (DeepSpeedOptimizer, ZeROOptimizer, FP16_Optimizer,
+                                                                   FP16_UnfusedOptimizer, BF16_Optimizer)}
+    assert declared == {DeepSpeedOptimizer: False, ZeROOptimizer: True, FP16_Optimizer: True,
+                        FP16_UnfusedOptimizer: False, BF16_Optimizer: False}, declared
+    engine = PATHS[path_name].initialize(gas=1, managed=False)
+    engine.optimizer.applies_gradient_divide_ratio = False  # as a ZeRO optimizer that ignored the ratio would
+    engine.backward(forward_loss(engine, 0, 0), scale_wrt_gas=False)
+    before = snapshot(engine).params
+    with pytest.raises(ValueError, match="not supported with .*, which reduces the gradients itself") as error:
+        engine.step(gradient_divide_factor=4.0)
+    for name, p in snapshot(engine).params.items():
+        assert torch.equal(before[name], p), f"{name} changed by a refused step"
+    destroy(engine)
+    return str(error.value)
+
+
+@pytest.mark.world_size(1, 2)
+@pytest.mark.parametrize("path_name", ["zero2-fp32", "zero3-fp32"])
+def test_an_optimizer_that_does_not_apply_the_ratio_is_refused(dist, path_name):
+    messages = dist.run(_divide_ratio_declarations_body, path_name)
+    assert len(set(messages)) == 1, messages

@@ -95,3 +95,80 @@ def test_throughput_counts_the_samples_and_time_of_the_whole_step(dist):
     for result in dist.run(_throughput_reports_the_step, 4):
         assert result["batch_size"] == result["samples"], result
         assert 0 < result["measured"] <= result["bound"], result
+
+
+def _autotuning_metrics_report_the_step(metric_dir: str, n: int) -> dict | None:
+    """Autotuning profiles one step and exits with its latency, FLOPS and throughput. With
+    gradient_accumulation_steps=2 configured, the profiled step runs n forwards of >= 30 ms each: the metrics
+    must cover that step's time and its n micro-batches (0.19.3's exit multiplies one micro-step's mean time, the
+    flops of one forward and the batch by the configured 2)."""
+    import json
+    import os
+    import time
+
+    import deepspeed.comm as ds_comm
+    from support.paths import PATHS
+    from support.training import MICRO_BATCH, destroy, run_unmanaged
+
+    metric_path = os.path.join(metric_dir, "autotuning_metric.json")
+    engine = PATHS["zero1-fp32"].initialize(gas=2,
+                                            managed=False,
+                                            autotuning={"enabled": True, "start_profile_step": 1,
+                                                        "end_profile_step": 1, "metric_path": metric_path})
+    engine.module.register_forward_pre_hook(lambda *_: time.sleep(0.03))
+    run_unmanaged(engine, [1], divide_by_n=True)
+    started = time.time()
+    with pytest.raises(SystemExit):  # autotuning's exit after the profiled step
+        run_unmanaged(engine, [n], first_step=1, divide_by_n=True)
+    wall = time.time() - started
+    flops = getattr(engine, "flops", None)
+    destroy(engine)
+    if ds_comm.get_rank() != 0:
+        return None
+    with open(metric_path) as f:
+        metrics = json.load(f)
+    return {"metrics": metrics, "wall_us": wall * 1e6, "flops": flops,
+            "samples": MICRO_BATCH * ds_comm.get_world_size() * n}
+
+
+@pytest.mark.pr("zero-0-1")
+@pytest.mark.world_size(1, 2)
+def test_autotuning_metrics_count_the_time_and_samples_of_the_profiled_step(dist, tmp_path):
+    n = 4
+    result = dist.run(_autotuning_metrics_report_the_step, str(tmp_path), n)[0]
+    metrics, latency = result["metrics"], result["metrics"]["latency"]
+    # The n forwards alone take n x 30 ms; the timers are parts of the step's wall time
+    assert n * 30_000 <= latency <= result["wall_us"], result
+    assert metrics["throughput"] * latency / 1e6 == pytest.approx(result["samples"]), result
+    assert metrics["FLOPS_per_gpu"] * latency / 1e6 == pytest.approx(result["flops"] * n), result
+
+
+def _finalize_hook_body(path_name: str) -> None:
+    """step() calls the finalize hook that ZeROOptimizer declares, once, inside the boundary, on every ZeRO
+    optimizer (ZeRO-1 and BF16_Optimizer included, whose gradients the engine reduces)."""
+    from deepspeed.runtime.base_optimizer import ZeROOptimizer
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+    from support.paths import PATHS
+    from support.training import destroy, run_unmanaged
+
+    assert "finalize_gradient_accumulation_boundary" in ZeROOptimizer.__dict__
+    # Stage 3 has no boundary-time work of its own: its no-op is the base's
+    assert "finalize_gradient_accumulation_boundary" not in DeepSpeedZeroOptimizer_Stage3.__dict__
+    engine = PATHS[path_name].initialize(gas=1, managed=False)
+    assert isinstance(engine.optimizer, ZeROOptimizer)
+    hook, calls = engine.optimizer.finalize_gradient_accumulation_boundary, []
+
+    def observed_hook():
+        calls.append(engine.is_gradient_accumulation_boundary())
+        return hook()
+
+    engine.optimizer.finalize_gradient_accumulation_boundary = observed_hook
+    run_unmanaged(engine, [2, 1])
+    destroy(engine)
+    assert calls == [True, True], calls
+
+
+@pytest.mark.world_size(1, 2)
+@pytest.mark.parametrize("path_name", cases("zero1-fp32", "zero1-bf16-fp32-accumulation", "zero2-fp32", "zero3-fp32"))
+def test_step_calls_the_declared_finalize_hook_of_every_zero_optimizer(dist, path_name):
+    dist.run(_finalize_hook_body, path_name)
