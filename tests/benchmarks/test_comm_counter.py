@@ -170,3 +170,24 @@ def test_counter_agrees_with_deepspeed_comms_logger(dist, stage):
             ours[aliases.get(op, op)] = ours.get(aliases.get(op, op), 0) + entry["calls"]
         assert ours, "a ZeRO step with 2 ranks must communicate"
         assert ours == result["logged"]
+
+
+def test_report_allows_unmanaged_mode_only_the_step_check():
+    """The benchmark's collectives target: (b) may add step()'s one all-reduce of at most 64 bytes, nothing else."""
+    from benchmarks import report
+
+    managed = {"all_reduce": {"calls": 2, "bytes": 1000}, "all_gather": {"calls": 4, "bytes": 800}}
+
+    def plus(calls, extra_bytes, **more):
+        counts = {op: dict(entry) for op, entry in managed.items()}
+        counts["all_reduce"] = {"calls": 2 + calls, "bytes": 1000 + extra_bytes}
+        counts.update(more)
+        return counts
+
+    assert report.is_step_check(managed, plus(1, 64))
+    assert report.is_step_check(managed, plus(1, 16))
+    assert not report.is_step_check(managed, managed)
+    assert not report.is_step_check(managed, plus(1, 65))
+    assert not report.is_step_check(managed, plus(2, 64))
+    assert not report.is_step_check(managed, plus(1, 64, all_gather={"calls": 5, "bytes": 800}))
+    assert report.is_step_check({}, {"all_reduce": {"calls": 1, "bytes": 64}})
