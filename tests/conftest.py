@@ -86,6 +86,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     metavar="LIST",
                     help="comma-separated world sizes to keep, e.g. 1,2 (others are deselected); "
                     "env DS_HARNESS_WORLD_SIZES")
+    group.addoption("--paths",
+                    choices=("all", "core"),
+                    default=os.environ.get("DS_SERIES_PATHS", "all"),
+                    help="engine configurations of the tests parametrised by path_name: all (default) or core, one "
+                    "or two per ZeRO stage, precision and offload mode (support.paths.CORE_PATHS); env DS_SERIES_PATHS")
     group.addoption("--rank-timeout",
                     type=float,
                     default=None,
@@ -196,6 +201,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     on_pristine = config.getoption("regressions_on_pristine")
     if on_pristine:
         _check_pristine()
+    core_paths = None
+    if config.getoption("paths") == "core":
+        from support.paths import CORE_PATHS as core_paths
     keep, drop = [], []
     for item in items:
         callspec = getattr(item, "callspec", None)
@@ -208,6 +216,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             wanted = name is not None and name.startswith(FIX_PREFIX)
         else:
             wanted = upto is None or pr_of(item) <= upto
+        path_name = callspec.params.get("path_name") if callspec is not None else None
+        if core_paths is not None and path_name is not None and path_name not in core_paths:
+            wanted = False
         if not wanted or (sizes is not None and world_size is not None and world_size not in sizes):
             drop.append(item)
             continue

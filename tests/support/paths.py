@@ -440,6 +440,16 @@ PATHS: dict[str, Path] = {**ZERO_0_1_PATHS, **ZERO_2_PATHS, **ZERO_3_PATHS, **MI
 #: Dynamic loss-scale fp16 paths, for the overflow-inside-an-accumulation tests.
 FP16_DYNAMIC = ["fp16-fused", "fp16-unfused", "zero1-fp16", "zero2-fp16", "zero3-fp16"]
 
+#: One or two configurations per ZeRO stage, precision and offload mode: ``pytest --paths core`` keeps only
+#: these (the second base's run in CI). The full set is the default.
+CORE_PATHS = frozenset({
+    "fp32-deepspeed-optimizer", "bf16", "fp16-fused", "zero1-fp32", "zero1-bf16-fp32-accumulation", "zero1-fp16",
+    "zero2-fp32", "zero2-bf16", "zero2-overlap-comm", "zero2-fp16", "zero3-fp32", "zero3-bf16", "zero3-fp16",
+    "zero3-mics", "zero1-offload", "zero2-offload", "zero2-offload-fp16", "zero2-offload-nvme", "zero3-offload",
+    "zero3-offload-fp16", "zero3-offload-nvme", "zero3-offload-param", "zero3-offload-param-nvme", "zero2-wide",
+    "zero3-wide"
+})
+
 # The offload configurations (PR 4) live in their own module, built from the helpers above; importing
 # it adds them to PATHS.
 from . import offload_paths  # noqa: E402,F401
