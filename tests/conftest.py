@@ -104,7 +104,8 @@ def pytest_configure(config: pytest.Config) -> None:
         "markers", "pr(*names): the test belongs to the PR with this short name in the tested base's series "
         "(the latest of those named; the whole series if it names none of them); unmarked tests are tooling (PR 0)")
     config.addinivalue_line(
-        "markers", "base(*versions): the test checks the internals of these bases' series only (skipped on others)")
+        "markers", "base(*versions, reason=...): the test applies to these bases' series only, e.g. it checks their "
+        "internals (skipped on others, with the reason)")
     config.addinivalue_line(
         "markers", "world_size(*sizes): run the test once per world size through the "
         f"`dist` fixture (default {DEFAULT_WORLD_SIZE})")
@@ -167,7 +168,8 @@ def _other_base(item: pytest.Item) -> str | None:
     series' internals, or it is the regression test of a bug fix this series does not carry."""
     marker = item.get_closest_marker("base")
     if marker is not None and BASE.version not in marker.args:
-        return f"tests the {' / '.join(marker.args)} series' internals; this is deepspeed {BASE.version}"
+        why = marker.kwargs.get("reason") or f"tests the {' / '.join(marker.args)} series' internals"
+        return f"{why}; this is deepspeed {BASE.version}"
     marker = item.get_closest_marker("pr")
     if marker is not None and all(n.startswith(FIX_PREFIX) and n not in PR_INDEX for n in marker.args):
         return f"regression test of {', '.join(marker.args)}, a bug fix the {BASE.version} series does not carry"

@@ -123,6 +123,7 @@ def _divide_ratio_declarations_body(path_name: str) -> str:
     return str(error.value)
 
 
+@pytest.mark.base("0.19.3", reason="checks the 0.19.3 series' internals (its private methods and hooks)")
 @pytest.mark.world_size(1, 2)
 @pytest.mark.parametrize("path_name", ["zero2-fp32", "zero3-fp32"])
 def test_an_optimizer_that_does_not_apply_the_ratio_is_refused(dist, path_name):

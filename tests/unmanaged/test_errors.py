@@ -1,5 +1,7 @@
 """PR 1: the flag's config contract and every clear error unmanaged mode raises, as early as possible."""
 
+import re
+
 import pytest
 import torch
 
@@ -69,6 +71,8 @@ def _conflict_body(name: str) -> None:
     assert f"{FLAG}=false" in message and option in message, message
 
 
+@pytest.mark.base("0.19.3", reason="a promise of the 0.19.3 series only; the 0.19.8 follow-ups leave it to "
+                   "upstream")
 @pytest.mark.parametrize("name", sorted(CONFLICTS))
 def test_options_that_cannot_work_are_rejected_at_initialize(dist, name):
     dist.run(_conflict_body, name)
@@ -81,6 +85,8 @@ def _overlap_comm_stage0_body() -> None:
     destroy(engine)
 
 
+@pytest.mark.base("0.19.3", reason="a promise of the 0.19.3 series only; the 0.19.8 follow-ups leave it to "
+                   "upstream")
 def test_overlap_comm_is_harmless_at_stage_0(dist):
     dist.run(_overlap_comm_stage0_body)
 
@@ -181,7 +187,7 @@ def _per_rank_state_errors_body(path_name: str, save_dir: str) -> list:
         backward(engine, forward_loss(engine, 2, 0))
     for call in (lambda: engine.save_checkpoint(save_dir, tag="pending"),
                  lambda: engine.load_checkpoint(save_dir, tag="clean")):
-        with pytest.raises(RuntimeError, match="backward pass\\(es\\) since the last step\\(\\)") as error:
+        with pytest.raises(RuntimeError, match=r"backward pass.* since the last step\(\)") as error:
             call()
         messages.append(str(error.value))
     engine.zero_grad()
@@ -197,10 +203,12 @@ def _per_rank_state_errors_body(path_name: str, save_dir: str) -> list:
 def test_per_rank_state_errors_are_raised_on_every_rank(dist, path_name, tmp_path):
     messages = dist.run(_per_rank_state_errors_body, path_name, str(tmp_path))
     assert messages[0] == messages[1], messages
-    assert "between 0 and 1 backward() calls" in messages[0][0]
-    assert "between 1 and 2 backward() calls" in messages[0][1]
-    assert "would drop the gradients of 1 backward pass(es)" in messages[0][2]
-    assert "would apply to the loaded weights the gradients of 1 backward pass(es)" in messages[0][3]
+    # Each names the flag and what differs across ranks or is pending (wording differs between the bases).
+    assert all(FLAG in message for message in messages[0]), messages[0]
+    assert re.search(r"between 0 and 1 backward", messages[0][0]), messages[0][0]
+    assert re.search(r"between 1 and 2 backward", messages[0][1]), messages[0][1]
+    assert re.search(r"\b1 backward pass", messages[0][2]), messages[0][2]
+    assert re.search(r"\b1 backward pass", messages[0][3]), messages[0][3]
 
 
 def _load_checkpoint_refuses_pending_body(save_dir: str) -> None:
@@ -208,9 +216,9 @@ def _load_checkpoint_refuses_pending_body(save_dir: str) -> None:
     run_unmanaged(engine, [1])
     engine.save_checkpoint(save_dir, tag="one")
     backward(engine, forward_loss(engine, 5, 0))
-    with pytest.raises(RuntimeError, match=f"load_checkpoint\\(\\) with {FLAG}=false would apply"):
+    with pytest.raises(RuntimeError, match=f"load_checkpoint\\(\\).*{FLAG}=false|{FLAG}=false.*load_checkpoint"):
         engine.load_checkpoint(save_dir, tag="one")
-    assert engine._pending_backward_count == 1  # kept: the caller decides (step() or zero_grad())
+    assert engine.pending_backward_count() == 1  # kept: the caller decides (step() or zero_grad())
     destroy(engine)
 
 
@@ -245,6 +253,8 @@ def _step_order_body() -> None:
     destroy(engine)
 
 
+@pytest.mark.base("0.19.3", reason="a promise of the 0.19.3 series only; the 0.19.8 follow-ups leave it to "
+                   "upstream")
 def test_step_checks_no_sync_before_any_collective_and_times_the_reduction(dist):
     dist.run(_step_order_body)
 

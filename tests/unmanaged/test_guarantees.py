@@ -89,6 +89,8 @@ def _throughput_reports_the_step(n: int) -> dict:
     return result
 
 
+@pytest.mark.base("0.19.3", reason="a promise of the 0.19.3 series only; the 0.19.8 follow-ups leave it to "
+                   "upstream")
 @pytest.mark.pr("zero-0-1")
 @pytest.mark.world_size(1, 2)
 def test_throughput_counts_the_samples_and_time_of_the_whole_step(dist):
@@ -131,6 +133,8 @@ def _autotuning_metrics_report_the_step(metric_dir: str, n: int) -> dict | None:
             "samples": MICRO_BATCH * ds_comm.get_world_size() * n}
 
 
+@pytest.mark.base("0.19.3", reason="a promise of the 0.19.3 series only; the 0.19.8 follow-ups leave it to "
+                   "upstream")
 @pytest.mark.pr("zero-0-1")
 @pytest.mark.world_size(1, 2)
 def test_autotuning_metrics_count_the_time_and_samples_of_the_profiled_step(dist, tmp_path):
@@ -168,6 +172,7 @@ def _finalize_hook_body(path_name: str) -> None:
     assert calls == [True, True], calls
 
 
+@pytest.mark.base("0.19.3", reason="checks the 0.19.3 series' internals (its private methods and hooks)")
 @pytest.mark.world_size(1, 2)
 @pytest.mark.parametrize("path_name", cases("zero1-fp32", "zero1-bf16-fp32-accumulation", "zero2-fp32", "zero3-fp32"))
 def test_step_calls_the_declared_finalize_hook_of_every_zero_optimizer(dist, path_name):
