@@ -489,11 +489,11 @@ def build_env(upto: int) -> dict[str, str]:
 
 
 def prefix_tree(upto: int) -> Path:
-    """A fresh tree with the first ``upto`` PRs applied, under ``build/`` (ignored)."""
+    """A fresh tree with the first ``upto`` PRs applied (and their tests and docs), under ``build/`` (ignored)."""
     dest = PREFIX_DIR / f"deepspeed-upto-{upto}"
     if dest.exists():
         shutil.rmtree(dest)
-    materialize(dest, upto, require_extras=False)
+    materialize(dest, upto)
     return dest
 
 
