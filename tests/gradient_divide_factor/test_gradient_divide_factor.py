@@ -48,6 +48,8 @@ def test_invalid_factors_and_managed_mode_are_errors(dist):
     dist.run(scenarios.factor_errors, "zero1-fp32")
 
 
+@pytest.mark.base("0.19.3", reason="a promise of the 0.19.3 series only: the 0.19.8 follow-ups do not warn about "
+                   "GAS-scaled losses")
 @pytest.mark.world_size(1, 2)
 def test_gas_scaling_mismatch_warns_once_exactly_when_it_should(dist):
     counts = dist.run(scenarios.gas_scaling_mismatch_warnings, "zero1-fp32")

@@ -4,6 +4,7 @@ A scenario asserts on the rank itself (a failure names the rank) and compares re
 state and bookkeeping bitwise between engines fed the same data.
 """
 
+import deepspeed
 import deepspeed.comm as ds_comm
 import pytest
 import torch
@@ -71,7 +72,10 @@ def boundary_only_during_step(path_name: str) -> None:
     with pytest.raises(RuntimeError, match="scheduler failure"):
         engine.step()
     assert not engine.is_gradient_accumulation_boundary()
-    assert not engine.optimizer.is_gradient_accumulation_boundary
+    if deepspeed.__version__.startswith("0.19.3"):
+        # The 0.19.3 series resets the ZeRO optimizer's own flag too; 0.19.8 sets that one from the engine's at
+        # every backward.
+        assert not getattr(engine.optimizer, "is_gradient_accumulation_boundary", False)
     destroy(engine)
 
 
@@ -419,7 +423,7 @@ def clipping_sees_the_normalised_gradient(path_name: str) -> None:
 def factor_differing_across_ranks_raises_everywhere(path_name: str) -> str:
     engine = PATHS[path_name].initialize(gas=1, managed=False)
     engine.backward(forward_loss(engine, 0, 0))
-    with pytest.raises(ValueError, match="identical on every data-parallel rank") as error:
+    with pytest.raises(ValueError, match="(identical|the same) on every data-parallel rank") as error:
         engine.step(gradient_divide_factor=10.0 + ds_comm.get_rank())
     destroy(engine)
     return str(error.value)

@@ -28,6 +28,9 @@ def test_bookkeeping_counts_steps_and_backward_passes(dist, path_name, torch_sty
     dist.run(scenarios.bookkeeping, path_name, torch_style)
 
 
+@pytest.mark.base("0.19.3", reason="bitwise equality of the two backward styles is the 0.19.3 series' promise; "
+                   "0.19.8's engine.backward() scales the loss on another path (last-bit differences), and both "
+                   "count as backward passes there (test_bookkeeping_counts_steps_and_backward_passes)")
 @pytest.mark.world_size(1, 2)
 @pytest.mark.parametrize("path_name", cases("zero1-fp32", "zero2-fp32", "zero3-fp32"))
 def test_torch_style_backward_accumulates_like_engine_backward(dist, path_name):
