@@ -265,6 +265,9 @@ def report(results: dict[stack.Patch, list[Finding]]) -> bool:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="lint_series.py", description=__doc__.splitlines()[0])
     parser.add_argument("--base", metavar="VERSION", help="the upstream release whose series to lint (as in stack.py)")
+    parser.add_argument("--without-upstream-files", action="store_true",
+                        help="as in stack.py: lint without the base's upstream tests/ and docs/ (or the PRs' hunks "
+                        "there)")
     parser.add_argument("--upto", type=int, help="lint only the first K PRs")
     parser.add_argument("--tree", type=Path,
                         help="lint the commits of this materialized tree (e.g. deepspeed-src/0.19.3)")
@@ -272,6 +275,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.base is not None:
             stack.use_base(args.base)
+        if args.without_upstream_files:
+            stack.REQUIRE_EXTRAS = False
         patches = stack.select(stack.read_series(), args.upto)
         if args.tree is not None:
             results = lint_tree(args.tree, patches)

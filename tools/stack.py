@@ -300,7 +300,12 @@ def git(repo: Path, *args: str, check: bool = True, input: str | None = None) ->
     return result.stdout
 
 
-def init_upstream_repo(dest: Path, require_extras: bool = True) -> bool:
+#: Whether trees need the base's upstream files (tests/, docs/); ``--without-upstream-files`` clears it for machines
+#: that have neither the folder nor a way to download them (the PRs are then applied without their tests and docs).
+REQUIRE_EXTRAS = True
+
+
+def init_upstream_repo(dest: Path, require_extras: bool | None = None) -> bool:
     """Create ``dest`` as a git repository holding the pristine sdist in one commit, plus the base's upstream
     files the sdist lacks in a second one; the last is tagged ``upstream``. Returns whether those files are in.
 
@@ -308,6 +313,7 @@ def init_upstream_repo(dest: Path, require_extras: bool = True) -> bool:
     left out (building a wheel needs only ``deepspeed/``); the PRs are then applied without their tests and docs."""
     if dest.exists():
         raise StackError(f"{dest} already exists; remove it first (after exporting any work in it)")
+    require_extras = REQUIRE_EXTRAS if require_extras is None else require_extras
     extras = BASE.extras
     folder = None
     if extras is not None:
@@ -396,7 +402,7 @@ def commit_subject(repo: Path, commit: str) -> str:
 # --------------------------------------------------------------------------------------------
 
 
-def materialize(dest: Path | None = None, upto: int | None = None, require_extras: bool = True) -> Path:
+def materialize(dest: Path | None = None, upto: int | None = None, require_extras: bool | None = None) -> Path:
     """Build the editable repository: pristine commit(s) (tagged ``upstream``) plus one commit per PR."""
     dest = dest or TREE_DIR
     patches = select(read_series(), upto)
@@ -577,10 +583,14 @@ def _read_bytes(path: Path) -> bytes:
 
 
 def main(argv: list[str] | None = None) -> int:
+    global REQUIRE_EXTRAS
     parser = argparse.ArgumentParser(prog="stack.py", description=__doc__.splitlines()[0])
     parser.add_argument("--base", default=None, metavar="VERSION",
                         help=f"the upstream release whose series to work on ({', '.join(available_bases())}; "
                         f"default ${BASE_ENV} or {DEFAULT_BASE})")
+    parser.add_argument("--without-upstream-files", action="store_true",
+                        help="build trees without the base's upstream tests/ and docs/ when they are unavailable "
+                        "(the PRs' test and doc hunks are left out)")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("fetch", help=f"download and verify the pinned sdist (or use ${SDIST_ENV})")
     p = sub.add_parser("materialize", help="create deepspeed-src/<version>/: upstream + one commit per PR")
@@ -589,6 +599,8 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("export", help="regenerate patches/deepspeed-<version>/ from deepspeed-src/<version>/")
     sub.add_parser("check", help="patches apply in order; the materialized tree has nothing unexported")
     sub.add_parser("version", help="print the version `pip install .` gives for the base (the whole series)")
+    sub.add_parser("upstream-files", help="print the folder of the base's upstream tests/ and docs/ (downloading "
+                   "them if need be); fails if they are unavailable")
     p = sub.add_parser("submit", help="write the series for sending upstream, signed off by you (DCO)")
     p.add_argument("--author", help="'Name <email>' for From: and Signed-off-by: (default: your git identity)")
     p.add_argument("--out", type=Path, default=ROOT / "dist" / "series", help="folder to write (default: dist/series)")
@@ -600,6 +612,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.base is not None:
             use_base(args.base)
+        if args.without_upstream_files:
+            REQUIRE_EXTRAS = False
         if args.command == "fetch":
             print(fetch())
         elif args.command == "materialize":
@@ -616,6 +630,8 @@ def main(argv: list[str] | None = None) -> int:
                 print("stack check failed:\n- " + "\n- ".join(problems), file=sys.stderr)
                 return 1
             print(f"stack check passed: {len(read_series())} PR(s) apply to {SDIST_NAME}; nothing unexported")
+        elif args.command == "upstream-files":
+            print(extras_folder(BASE.extras) if BASE.extras is not None else f"{UPSTREAM_VERSION} needs none")
         elif args.command == "version":
             print(version_for(len(read_series())))
         elif args.command == "submit":
