@@ -376,3 +376,13 @@ def test_pr_markers_across_bases(tmp_path):
     rc, out = _child_pytest(second, "--upto", "feature-a", "-k", "promise", "-v")
     assert rc == 0 and "1 passed, 3 deselected" in out, out
     assert "test_promise_of_both_series PASSED" in out, out
+
+
+def test_core_paths_name_real_configurations_of_every_stage_and_offload_mode():
+    """``--paths core`` keeps support.paths.CORE_PATHS: a misspelt name would silently drop a configuration."""
+    from support.paths import CORE_PATHS, PATHS
+
+    assert CORE_PATHS <= set(PATHS), sorted(CORE_PATHS - set(PATHS))
+    assert {PATHS[name].stage for name in CORE_PATHS} == {0, 1, 2, 3}
+    for kind in ("offload", "nvme", "offload-param", "fp16", "bf16"):
+        assert any(kind in name for name in CORE_PATHS), kind
