@@ -250,6 +250,21 @@ def _step_order_body() -> None:
     # Managed mode times the reduction inside the boundary backward: in the backward timers, which the flops
     # profiler and autotuning read, and in the backward-reduce timers
     assert timed == [[True, True]], f"the unmanaged reduction is not timed as the backward reduction: {timed}"
+
+    # A reduction that raises stops its timers: the next backward and step() run (a started timer would refuse
+    # to start again)
+    def failing_finalize():
+        raise RuntimeError("reduction failure")
+
+    engine._finalize_gradient_accumulation = failing_finalize
+    backward(engine, forward_loss(engine, 1, 0))
+    with pytest.raises(RuntimeError, match="reduction failure"):
+        engine.step()
+    assert not any(timer.started_ for timer in timers)
+    engine._finalize_gradient_accumulation = finalize
+    engine.zero_grad()
+    backward(engine, forward_loss(engine, 2, 0))
+    engine.step()
     destroy(engine)
 
 
