@@ -232,11 +232,6 @@ def _step_order_body() -> None:
 
     engine = ZERO_0_1_PATHS["fp32-deepspeed-optimizer"].initialize(gas=1, managed=False, wall_clock_breakdown=True)
     backward(engine, forward_loss(engine, 0, 0))
-    with _count_all_reduces() as calls:
-        with engine.no_sync():
-            with pytest.raises(RuntimeError, match=f"step\\(\\) inside no_sync\\(\\) with {FLAG}=false"):
-                engine.step()
-    assert not calls, "step() inside no_sync() communicated before raising"
     timers, timed = [engine.timers(name) for name in (BACKWARD_GLOBAL_TIMER, BACKWARD_REDUCE_GLOBAL_TIMER)], []
     finalize = engine._finalize_gradient_accumulation
 
@@ -271,8 +266,36 @@ def _step_order_body() -> None:
 
 @pytest.mark.base("0.19.3", reason="a promise of the 0.19.3 series only; the 0.19.8 follow-ups leave it to "
                    "upstream")
-def test_step_checks_no_sync_before_any_collective_and_times_the_reduction(dist):
+def test_unmanaged_reduction_is_timed_as_the_backward_reduction(dist):
     dist.run(_step_order_body)
+
+
+def _no_sync_on_one_rank_body() -> str:
+    import contextlib
+
+    import deepspeed.comm as ds_comm
+
+    engine = ZERO_0_1_PATHS["fp32-deepspeed-optimizer"].initialize(gas=1, managed=False)
+    before = [param.detach().clone() for param in engine.module.parameters()]
+    backward(engine, forward_loss(engine, 0, 0))
+    with engine.no_sync() if ds_comm.get_rank() == 0 else contextlib.nullcontext():
+        with _count_all_reduces() as calls:
+            with pytest.raises(RuntimeError, match=f"step\\(\\) inside no_sync\\(\\) with {FLAG}=false") as error:
+                engine.step()
+    # Decided by the step's one small check, before the gradient reduction, with nothing applied
+    assert len(calls) == 1, f"{len(calls)} all-reduces before the refusal"
+    assert all(torch.equal(old, new) for old, new in zip(before, engine.module.parameters()))
+    engine.step()  # once every rank left no_sync(), the pending backward applies
+    assert engine.global_steps == 1
+    destroy(engine)
+    return str(error.value)
+
+
+@pytest.mark.world_size(2)
+def test_step_inside_no_sync_on_one_rank_is_refused_on_every_rank(dist):
+    """no_sync() is per-rank state: the rank outside it must not be left waiting in the gradient all-reduce."""
+    messages = dist.run(_no_sync_on_one_rank_body)
+    assert messages[0] == messages[1], messages
 
 
 def _mics_replication_body() -> None:
