@@ -8,7 +8,8 @@ sdist plus the series' leading bug-fix PRs), imported from its folder on the mac
 Every case covers one configuration the series touches: ZeRO 0-3 in fp32, bf16 and fp16, clipping on
 and off, CPU and NVMe optimizer offload, ZeRO-3 parameter offload, MoE, ``overlap_comm``,
 ``contiguous_gradients``, parameters unused in some micro-batches or in whole steps, ``zero_grad()``
-between micro-batches, a checkpoint save and load, ``no_sync()`` and an fp16 overflow.
+(the engine's, and the ZeRO-2 optimizer's) between micro-batches, a checkpoint save and load,
+``no_sync()`` and an fp16 overflow.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ class Case:
     """An engine configuration and the managed-mode loop that drives it."""
 
     path: Path
-    #: "plain", "zero_grad_between", "no_sync", "fp16_overflow" or "checkpoint"
+    #: "plain", "zero_grad_between", "optimizer_zero_grad_between", "no_sync", "fp16_overflow" or "checkpoint"
     drive: str = "plain"
     more: dict = field(default_factory=dict)
     needs_aio: bool = False
@@ -100,6 +101,7 @@ CASES: dict[str, Case] = {
     "zero2-unused-some-micro-batches": _case(_zero2(model_fn=make_branchy_model)),
     "zero2-unused-whole-steps": _case(_zero2(model_fn=make_two_head_model)),
     "zero2-zero-grad-between": _case(_Z2, "zero_grad_between"),
+    "zero2-optimizer-zero-grad-between": _case(_Z2, "optimizer_zero_grad_between"),
     "zero2-checkpoint": _case(_Z2, "checkpoint"),
     "zero2-offload": _case(_offload(2)),
     "zero2-offload-fp16-overflow": _case(_offload(2, "fp16", needs_fp16=True), "fp16_overflow"),
@@ -174,6 +176,16 @@ def _zero_grad_between(engine, workdir: str) -> None:
                 engine.zero_grad()
 
 
+def _optimizer_zero_grad_between(engine, workdir: str) -> None:
+    """The ZeRO optimizer's own ``zero_grad()`` after the first micro-batch of every step."""
+    for step in range(STEPS):
+        for i in range(GAS):
+            engine.backward(forward_loss(engine, step, i))
+            engine.step()
+            if i == 0:
+                engine.optimizer.zero_grad()
+
+
 def _no_sync(engine, workdir: str) -> None:
     """Every micro-batch but the last of a step inside ``no_sync()``."""
     for step in range(STEPS):
@@ -208,6 +220,7 @@ def _checkpoint(engine, workdir: str) -> None:
 _DRIVES = {
     "plain": _plain,
     "zero_grad_between": _zero_grad_between,
+    "optimizer_zero_grad_between": _optimizer_zero_grad_between,
     "no_sync": _no_sync,
     "fp16_overflow": _fp16_overflow,
     "checkpoint": _checkpoint,

@@ -1,8 +1,7 @@
-"""PR zero-2 makes the ZeRO optimizer's zero_grad() drop ZeRO-2's accumulated gradient partitions (so that
-engine.zero_grad() discards a partial accumulation in unmanaged mode). In managed mode the engine calls it
-only after a step or an overflow, where they are already cleared; a direct ``engine.optimizer.zero_grad()``
-between micro-batches discards the micro-batch on ZeRO-2 as on ZeRO-1, in 0.19.3 (checked against the
-pristine tree) as with the series.
+"""A direct ``engine.optimizer.zero_grad()`` between managed micro-batches discards the micro-batch on ZeRO-2 as on
+ZeRO-1, in 0.19.3 as with the series: PR zero-2 leaves the optimizer's ``zero_grad()`` as it is and gives unmanaged
+``engine.zero_grad()`` its own ``discard_gradient_accumulation()`` (the default-behaviour check's
+``zero2-optimizer-zero-grad-between`` case compares it bitwise with DeepSpeed without the series).
 """
 
 import pytest
