@@ -503,6 +503,33 @@ def prefix_tree(upto: int) -> Path:
     return dest
 
 
+#: DeepSpeed's C++/CUDA op sources, which torch JIT-builds with ninja on first use.
+OP_SOURCES = Path(UPSTREAM_NAME) / "ops" / "csrc"
+
+
+def _installed_op_sources() -> dict[Path, tuple[str, int]]:
+    """sha256 and mtime (ns) of each op source of the DeepSpeed installed for this interpreter."""
+    import sysconfig
+
+    root = Path(sysconfig.get_paths()["purelib"]) / OP_SOURCES
+    if not root.is_dir():
+        return {}
+    return {
+        path: (hashlib.sha256(path.read_bytes()).hexdigest(), path.stat().st_mtime_ns)
+        for path in root.rglob("*") if path.is_file()
+    }
+
+
+def _keep_op_source_times(before: dict[Path, tuple[str, int]]) -> None:
+    """Give each reinstalled op source whose bytes did not change its earlier mtime. ninja rebuilds what is
+    older than its sources, so otherwise every reinstall (e.g. one prefix after another) recompiles CPU Adam and
+    async I/O on their next use, minutes on a small machine, inside whatever loads them first."""
+    for path, (digest, _) in _installed_op_sources().items():
+        old_digest, old_mtime_ns = before.get(path, (None, None))
+        if old_digest == digest:
+            os.utime(path, ns=(path.stat().st_atime_ns, old_mtime_ns))
+
+
 def install(upto: int | None, editable: bool) -> str:
     """pip-install the tree patched up to PR ``upto`` (default: the materialized development tree)."""
     if upto is None:
@@ -512,10 +539,13 @@ def install(upto: int | None, editable: bool) -> str:
         select(read_series(), upto)
         tree = prefix_tree(upto)
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check"]
+    op_sources = _installed_op_sources()
     subprocess.run([*pip, "uninstall", "--yes", "--quiet", UPSTREAM_NAME], check=False)
     cmd = [*pip, "install", "--quiet", *(["--editable"] if editable else []), str(tree)]
     if subprocess.run(cmd, env=build_env(upto)).returncode != 0:
         raise StackError(f"pip install of {tree} failed")
+    if not editable:
+        _keep_op_source_times(op_sources)
     return version_for(upto)
 
 

@@ -345,3 +345,28 @@ def test_upstream_files_are_pinned_and_required_for_a_development_tree(tmp_path,
     tree = stack.materialize(tmp_path / "downloaded", upto=0)
     assert (tree / "tests" / "conftest.py").read_text() == "# upstream's\n"
     assert (tmp_path / "cache" / "upstream-files" / base.extras.commit / "tests" / "conftest.py").is_file()
+
+
+def test_reinstall_keeps_the_times_of_unchanged_op_sources(tmp_path, monkeypatch):
+    """A prefix reinstall must not make ninja rebuild the JIT ops: unchanged op sources keep their mtime, a
+    changed one keeps the new one (so a real change is still rebuilt)."""
+    import os
+
+    site = tmp_path / "site-packages"
+    monkeypatch.setattr("sysconfig.get_paths", lambda: {"purelib": str(site)})
+    sources = site / stack.OP_SOURCES
+    (sources / "adam").mkdir(parents=True)
+    same, changed = sources / "adam" / "cpu_adam.cpp", sources / "adam" / "cpu_adam.h"
+    for path in (same, changed):
+        path.write_text("// v1\n")
+        os.utime(path, ns=(0, 1_000_000_000))
+    before = stack._installed_op_sources()
+
+    for path in (same, changed):  # what a reinstall does: new files, new times
+        path.unlink()
+        path.write_text("// v1\n")
+    changed.write_text("// v2\n")
+    stack._keep_op_source_times(before)
+
+    assert same.stat().st_mtime_ns == 1_000_000_000
+    assert changed.stat().st_mtime_ns > 1_000_000_000
