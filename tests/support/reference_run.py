@@ -14,6 +14,7 @@ and off, CPU and NVMe optimizer offload, ZeRO-3 parameter offload, MoE, ``overla
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from dataclasses import dataclass, field
 from typing import Any
@@ -166,24 +167,15 @@ def _plain(engine, workdir: str, steps: range = range(STEPS)) -> None:
             engine.step()
 
 
-def _zero_grad_between(engine, workdir: str) -> None:
-    """``zero_grad()`` after the first micro-batch of every step: what it discards is up to DeepSpeed."""
+def _zero_grad_between(engine, workdir: str, optimizer: bool = False) -> None:
+    """``zero_grad()`` (the engine's, or with ``optimizer`` the ZeRO optimizer's own) after the first micro-batch
+    of every step: what it discards is up to DeepSpeed."""
     for step in range(STEPS):
         for i in range(GAS):
             engine.backward(forward_loss(engine, step, i))
             engine.step()
             if i == 0:
-                engine.zero_grad()
-
-
-def _optimizer_zero_grad_between(engine, workdir: str) -> None:
-    """The ZeRO optimizer's own ``zero_grad()`` after the first micro-batch of every step."""
-    for step in range(STEPS):
-        for i in range(GAS):
-            engine.backward(forward_loss(engine, step, i))
-            engine.step()
-            if i == 0:
-                engine.optimizer.zero_grad()
+                (engine.optimizer if optimizer else engine).zero_grad()
 
 
 def _no_sync(engine, workdir: str) -> None:
@@ -220,7 +212,7 @@ def _checkpoint(engine, workdir: str) -> None:
 _DRIVES = {
     "plain": _plain,
     "zero_grad_between": _zero_grad_between,
-    "optimizer_zero_grad_between": _optimizer_zero_grad_between,
+    "optimizer_zero_grad_between": functools.partial(_zero_grad_between, optimizer=True),
     "no_sync": _no_sync,
     "fp16_overflow": _fp16_overflow,
     "checkpoint": _checkpoint,

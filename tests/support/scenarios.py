@@ -75,7 +75,7 @@ def boundary_only_during_step(path_name: str) -> None:
     if deepspeed.__version__.startswith("0.19.3"):
         # The 0.19.3 series resets the ZeRO optimizer's own flag too; 0.19.8 sets that one from the engine's at
         # every backward.
-        assert not getattr(engine.optimizer, "is_gradient_accumulation_boundary", False)
+        assert not engine.optimizer.is_gradient_accumulation_boundary
     destroy(engine)
 
 
