@@ -54,27 +54,11 @@ _ds_series_installed_version() {
     "$DS_SERIES_PY" -c 'import importlib.metadata as m; print(m.version("deepspeed"))' 2>/dev/null || true
 }
 
-# DeepSpeed JIT-builds its CPU ops (CPU Adam, async I/O) on first use, with a lock in the extensions
-# folder. Building them here, once per install, keeps minutes of compiling out of the tests' timeouts;
-# a rank killed mid-build would leave the lock behind and stall every later test that loads the op.
+# DeepSpeed JIT-builds its CPU ops on first use; building them here, once per install, keeps minutes of
+# compiling out of the tests' timeouts (see tools/build_ops.py).
 _ds_series_build_ops() {
     _ds_series_log "building DeepSpeed's CPU ops (CPU Adam, shared-memory comm; async I/O where libaio exists)"
-    (cd /tmp && "$DS_SERIES_PY" - <<'PY'
-from deepspeed.accelerator import get_accelerator
-
-accelerator = get_accelerator()
-for name, required in (("ShareMemCommBuilder", True), ("CPUAdamBuilder", True), ("AsyncIOBuilder", False)):
-    builder = accelerator.create_op_builder(name)
-    try:
-        if builder is None or not builder.is_compatible(verbose=False):
-            raise RuntimeError("not compatible with this machine")
-        builder.load(verbose=False)
-    except Exception as err:
-        if required:
-            raise
-        print(f"[tools/test.sh] warning: {name} unavailable ({err}); NVMe offload tests will be skipped")
-PY
-    )
+    (cd /tmp && "$DS_SERIES_PY" "$DS_SERIES_ROOT/tools/build_ops.py")
 }
 
 ds_series_setup() {

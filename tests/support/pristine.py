@@ -11,6 +11,7 @@ that define the runs.
 
 from __future__ import annotations
 
+import faulthandler
 import hashlib
 import json
 import os
@@ -109,14 +110,25 @@ def _compute(world_size: int) -> dict[str, list[dict[str, Any]]]:
     # are keyed by their include paths, so sharing a folder with the installed DeepSpeed would rebuild
     # them for each side in turn; this way they are built once per machine.
     tree = _reference_tree(stack, fixes)
+    backend = launch.backend()
+
+    def env_of(rank: int, port: int | None) -> dict[str, str]:
+        env = launch.rank_env(rank, world_size, port, backend)
+        env["PYTHONPATH"] = os.pathsep.join([str(tree), str(TESTS), str(ROOT)])
+        env["TORCH_EXTENSIONS_DIR"] = str(tree.parent / "torch_extensions")
+        return env
+
+    # The tree's JIT ops are built here, in one process, not by the ranks inside the cases that first need them.
+    subprocess.run([sys.executable, str(ROOT / "tools" / "build_ops.py")],
+                   env=env_of(0, None),
+                   cwd=tempfile.gettempdir(),
+                   check=True,
+                   timeout=TIMEOUT)
     with tempfile.TemporaryDirectory(prefix="ds-reference-") as tmp:
         port = launch.free_port()
-        backend = launch.backend()
         procs = []
         for rank in range(world_size):
-            env = launch.rank_env(rank, world_size, port, backend)
-            env["PYTHONPATH"] = os.pathsep.join([str(tree), str(TESTS), str(ROOT)])
-            env["TORCH_EXTENSIONS_DIR"] = str(tree.parent / "torch_extensions")
+            env = env_of(rank, port)
             log = open(Path(tmp) / f"rank{rank}.log", "wb")
             procs.append((subprocess.Popen([sys.executable, "-m", "support.pristine", tmp,
                                             str(tree), backend],
@@ -161,14 +173,20 @@ def _reference_tree(stack, fixes: list) -> Path:
 
 
 def _rank_main(out: str, tree: str, backend: str) -> None:
-    """One reference rank: every case in turn, each from the same start state as a test rank's."""
+    """One reference rank: every case in turn, each from the same start state as a test rank's.
+
+    Like a test rank, it dumps every thread's stack if it crashes (a CI run once lost a rank with nothing but
+    "terminate called without an active exception" in its log), and it leaves with ``os._exit`` once its results
+    are written, skipping an interpreter teardown that can block or abort in gloo's and the C++ ops' destructors.
+    """
+    faulthandler.enable(all_threads=True)
     import deepspeed
 
     if not deepspeed.__file__.startswith(tree):
         raise RuntimeError(f"imported {deepspeed.__file__}, not the reference tree {tree}")
     from harness.runner import SETTINGS
     from examples.ranks import disable_cpu_shm_allreduce
-    from harness.worker import _reset_state
+    from harness.worker import _flush_and_exit, _reset_state
     from support.reference_run import CASES, fixed_run
 
     if backend == "nccl":
@@ -185,6 +203,7 @@ def _rank_main(out: str, tree: str, backend: str) -> None:
         results[name] = fixed_run(name, str(workdir))
     Path(out, f"rank{deepspeed.comm.get_rank()}.json").write_text(json.dumps(results))
     deepspeed.comm.barrier()
+    _flush_and_exit(0)
 
 
 if __name__ == "__main__":
