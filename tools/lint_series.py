@@ -18,6 +18,7 @@ on findings.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import re
 import subprocess
 import sys
@@ -39,6 +40,10 @@ _FLAKE8_LINE = re.compile(r"^(?P<path>.+?):(?P<line>\d+):(?P<col>\d+): (?P<code>
 _CODESPELL_LINE = re.compile(r"^(?P<path>.+?):(?P<line>\d+): (?P<word>.+?) ==> (?P<fix>.*)$")
 _HUNK = re.compile(r"^@@ -\d+(?:,\d+)? \+(?P<start>\d+)(?:,\d+)? @@")
 
+#: (tool, path in the tree, sha256 of the file) -> findings. A file a PR leaves alone after an earlier PR touched it
+#: is linted again as the next PR's "before": the results depend on nothing else, so each version is linted once.
+_RESULTS: dict[tuple[str, str, str], list] = {}
+
 
 @dataclass(frozen=True)
 class Finding:
@@ -59,6 +64,13 @@ def _run(*cmd: str, cwd: Path | None = None) -> str:
     if result.returncode not in (0, 1, 65):  # 1: findings (yapf, flake8), 65: misspellings (codespell)
         raise stack.StackError(f"{' '.join(cmd[:1])} failed ({result.returncode}):\n{result.stderr.strip()}")
     return result.stdout
+
+
+def _cached(tool: str, rel: str, path: Path, lint) -> list:
+    key = (tool, rel, hashlib.sha256(path.read_bytes()).hexdigest())
+    if key not in _RESULTS:
+        _RESULTS[key] = lint()
+    return _RESULTS[key]
 
 
 def _show(repo: Path, rev: str, path: str, out_root: Path) -> Path | None:
@@ -83,13 +95,17 @@ def _yapf_hunks(path: Path | None) -> list[list[str]]:
     """yapf's proposed changes to ``path`` as hunks of diff lines (empty when it is formatted)."""
     if path is None:
         return []
-    hunks: list[list[str]] = []
-    for line in _run("yapf", "--diff", "--style", YAPF_STYLE, str(path)).splitlines():
-        if line.startswith("@@"):
-            hunks.append([line])
-        elif hunks and not line.startswith(("---", "+++")):
-            hunks[-1].append(line)
-    return hunks
+
+    def lint() -> list[list[str]]:
+        hunks: list[list[str]] = []
+        for line in _run("yapf", "--diff", "--style", YAPF_STYLE, str(path)).splitlines():
+            if line.startswith("@@"):
+                hunks.append([line])
+            elif hunks and not line.startswith(("---", "+++")):
+                hunks[-1].append(line)
+        return hunks
+
+    return _cached("yapf", "", path, lint)  # yapf reads no configuration: only the contents count
 
 
 def yapf_findings(rel: str, before: Path | None, after: Path) -> list[Finding]:
@@ -113,13 +129,16 @@ def yapf_findings(rel: str, before: Path | None, after: Path) -> list[Finding]:
 
 
 def _flake8(root: Path, rel: str) -> list[tuple[int, str, str]]:
-    out = _run("flake8", *FLAKE8_ARGS, rel, cwd=root)
-    found = []
-    for line in out.splitlines():
-        match = _FLAKE8_LINE.match(line)
-        if match:
-            found.append((int(match["line"]), match["code"], match["message"]))
-    return found
+
+    def lint() -> list[tuple[int, str, str]]:
+        found = []
+        for line in _run("flake8", *FLAKE8_ARGS, rel, cwd=root).splitlines():
+            match = _FLAKE8_LINE.match(line)
+            if match:
+                found.append((int(match["line"]), match["code"], match["message"]))
+        return found
+
+    return _cached("flake8", rel, root / rel, lint)
 
 
 def flake8_findings(rel: str, before_root: Path | None, after_root: Path) -> list[Finding]:
@@ -265,11 +284,13 @@ def report(results: dict[stack.Patch, list[Finding]]) -> bool:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="lint_series.py", description=__doc__.splitlines()[0])
     parser.add_argument("--base", metavar="VERSION", help="the upstream release whose series to lint (as in stack.py)")
-    parser.add_argument("--without-upstream-files", action="store_true",
+    parser.add_argument("--without-upstream-files",
+                        action="store_true",
                         help="as in stack.py: lint without the base's upstream tests/ and docs/ (or the PRs' hunks "
                         "there)")
     parser.add_argument("--upto", type=int, help="lint only the first K PRs")
-    parser.add_argument("--tree", type=Path,
+    parser.add_argument("--tree",
+                        type=Path,
                         help="lint the commits of this materialized tree (e.g. deepspeed-src/0.19.3)")
     args = parser.parse_args(argv)
     try:
