@@ -106,16 +106,21 @@ def _compute(world_size: int) -> dict[str, list[dict[str, Any]]]:
 
     stack = _stack()
     fixes = bug_fix_prefix()
-    # A stable tree path and its own extension folder: DeepSpeed's JIT-built ops (CPU Adam, async I/O)
-    # are keyed by their include paths, so sharing a folder with the installed DeepSpeed would rebuild
-    # them for each side in turn; this way they are built once per machine.
+    # A stable tree path. DeepSpeed's JIT-built ops (CPU Adam, async I/O) are keyed by their source and include
+    # paths: built from the tree into the installed DeepSpeed's extension folder, they would rebuild each side's in
+    # turn. The ranks therefore build them from the installed DeepSpeed's sources when those are the tree's (the
+    # same build, already done, see _installed_ops_with_the_same_sources), else from the tree into its own folder.
     tree = _reference_tree(stack, fixes)
     backend = launch.backend()
+    installed_ops = _installed_ops_with_the_same_sources(tree)
 
     def env_of(rank: int, port: int | None) -> dict[str, str]:
         env = launch.rank_env(rank, world_size, port, backend)
-        env["PYTHONPATH"] = os.pathsep.join([str(tree), str(TESTS), str(ROOT)])
-        env["TORCH_EXTENSIONS_DIR"] = str(tree.parent / "torch_extensions")
+        if installed_ops is not None:
+            env["PYTHONPATH"] = os.pathsep.join([str(installed_ops), str(tree), str(TESTS), str(ROOT)])
+        else:
+            env["PYTHONPATH"] = os.pathsep.join([str(tree), str(TESTS), str(ROOT)])
+            env["TORCH_EXTENSIONS_DIR"] = str(tree.parent / "torch_extensions")
         return env
 
     # The tree's JIT ops are built here, in one process, not by the ranks inside the cases that first need them.
@@ -154,6 +159,53 @@ def _compute(world_size: int) -> dict[str, list[dict[str, Any]]]:
             raise RuntimeError(f"the reference run on {tree} (sdist + {len(fixes)} bug-fix PRs) failed:\n{tails}")
         per_rank = [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(world_size)]
     return {name: [per_rank[r][name] for r in range(world_size)] for name in per_rank[0]}
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    return {
+        str(path.relative_to(folder)): path.read_bytes()
+        for path in sorted(folder.rglob("*")) if path.is_file() and "__pycache__" not in path.parts
+    }
+
+
+def _installed_ops_with_the_same_sources(tree: Path) -> Path | None:
+    """The installed DeepSpeed's ``deepspeed/ops`` folder if the tree's JIT ops build from the same sources there.
+
+    That is the case when the op builders (``op_builder/``) and every source file and include folder of the ops
+    the reference builds (``tools/build_ops.py``) are byte-identical in the tree and in the installed DeepSpeed,
+    i.e. when no PR of the series changed them. The reference ranks then put that folder first on their path:
+    DeepSpeed's accelerators take a top-level ``op_builder`` package before their own, and the installed one
+    resolves the sources inside the installed package, so the ranks load the very binaries the installed
+    DeepSpeed built, from its extension folder, instead of compiling the same sources again (minutes per base).
+    (The folder's other entries, ``adam``, ``aio`` and the like, become top-level names too; nothing imports those.)
+    None when anything differs: the tree then builds its own.
+    """
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    _stack()  # puts the repository on sys.path
+    from tools.build_ops import OPS
+
+    ops = Path(deepspeed.__file__).resolve().parent / "ops"
+    if _files(tree / "op_builder") != _files(ops / "op_builder"):
+        return None
+    for name, _ in OPS:
+        builder = get_accelerator().create_op_builder(name)
+        if builder is None:
+            continue
+        for rel in builder.strip_empty_entries(builder.sources() + builder.include_paths()):
+            if Path(rel).is_absolute():
+                continue
+            ours, theirs = tree / rel, ops / rel
+            if ours.is_dir() and theirs.is_dir():
+                same = _files(ours) == _files(theirs)
+            elif ours.is_file() and theirs.is_file():
+                same = ours.read_bytes() == theirs.read_bytes()
+            else:  # e.g. an include folder the builder names and neither side has (the CPU comm op's)
+                same = not ours.exists() and not theirs.exists()
+            if not same:
+                return None
+    return ops
 
 
 def _reference_tree(stack, fixes: list) -> Path:
