@@ -406,10 +406,14 @@ def materialize(dest: Path | None = None, upto: int | None = None, require_extra
     """Build the editable repository: pristine commit(s) (tagged ``upstream``) plus one commit per PR."""
     dest = dest or TREE_DIR
     patches = select(read_series(), upto)
-    with_extras = init_upstream_repo(dest, require_extras)
-    extras = BASE.extras
-    apply_patches(dest, patches, [] if with_extras or extras is None else [f"{d}/*" for d in extras.top_levels])
+    apply_patches(dest, patches, _left_out(init_upstream_repo(dest, require_extras)))
     return dest
+
+
+def _left_out(with_extras: bool) -> list[str]:
+    """``apply_patches``' exclusions for a tree initialised with or without the base's upstream files."""
+    extras = BASE.extras
+    return [] if with_extras or extras is None else [f"{d}/*" for d in extras.top_levels]
 
 
 def squash_fixups(repo: Path) -> None:
@@ -465,8 +469,7 @@ def check(repo: Path | None = None) -> list[str]:
     problems = []
     with tempfile.TemporaryDirectory() as tmp:
         try:
-            init_upstream_repo(Path(tmp) / "tree")
-            apply_patches(Path(tmp) / "tree", patches)
+            apply_patches(Path(tmp) / "tree", patches, _left_out(init_upstream_repo(Path(tmp) / "tree")))
         except StackError as err:
             problems.append(str(err))
     if not (repo / ".git").exists():
