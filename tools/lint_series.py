@@ -19,11 +19,14 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import os
 import re
 import subprocess
 import sys
 import tempfile
+import threading
 from collections import Counter
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,8 +44,10 @@ _CODESPELL_LINE = re.compile(r"^(?P<path>.+?):(?P<line>\d+): (?P<word>.+?) ==> (
 _HUNK = re.compile(r"^@@ -\d+(?:,\d+)? \+(?P<start>\d+)(?:,\d+)? @@")
 
 #: (tool, path in the tree, sha256 of the file) -> findings. A file a PR leaves alone after an earlier PR touched it
-#: is linted again as the next PR's "before": the results depend on nothing else, so each version is linted once.
-_RESULTS: dict[tuple[str, str, str], list] = {}
+#: is linted again as the next PR's "before": the results depend on nothing else, so each version is linted once,
+#: by whichever PR's thread asks first (the others wait for its result).
+_RESULTS: dict[tuple[str, str, str], Future] = {}
+_RESULTS_LOCK = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -68,9 +73,17 @@ def _run(*cmd: str, cwd: Path | None = None) -> str:
 
 def _cached(tool: str, rel: str, path: Path, lint) -> list:
     key = (tool, rel, hashlib.sha256(path.read_bytes()).hexdigest())
-    if key not in _RESULTS:
-        _RESULTS[key] = lint()
-    return _RESULTS[key]
+    with _RESULTS_LOCK:
+        future = _RESULTS.get(key)
+        ours = future is None
+        if ours:
+            future = _RESULTS[key] = Future()
+    if ours:
+        try:
+            future.set_result(lint())
+        except BaseException as err:
+            future.set_exception(err)
+    return future.result()
 
 
 def _show(repo: Path, rev: str, path: str, out_root: Path) -> Path | None:
@@ -264,7 +277,10 @@ def lint_tree(repo: Path, patches: list[stack.Patch]) -> dict[stack.Patch, list[
         raise stack.StackError(f"{repo} has {len(commits)} commits above '{stack.UPSTREAM_TAG}', "
                                f"fewer than the {len(patches)} PR(s) to lint")
     revs = [stack.UPSTREAM_TAG, *commits]
-    return {patch: lint_change(repo, revs[patch.index - 1], revs[patch.index]) for patch in patches}
+    # The linters run as subprocesses, mostly yapf on DeepSpeed's large files: one thread per core keeps them busy.
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        results = pool.map(lambda patch: lint_change(repo, revs[patch.index - 1], revs[patch.index]), patches)
+        return dict(zip(patches, results))
 
 
 def report(results: dict[stack.Patch, list[Finding]]) -> bool:
