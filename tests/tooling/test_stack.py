@@ -8,8 +8,8 @@ materialized tree, the prefix trees) are pointed there, so the project's own ``d
 
 from __future__ import annotations
 
-import hashlib
 import dataclasses
+import hashlib
 import io
 import re
 import shutil
