@@ -270,6 +270,38 @@ def test_unmanaged_reduction_is_timed_as_the_backward_reduction(dist):
     dist.run(_step_order_body)
 
 
+def _failed_step_is_dropped_body(path_name: str) -> None:
+    """An optimizer that raises inside step(), after the reduction: the step's gradients are dropped, so the next
+    backward() and step() apply exactly what a fresh engine applies for that backward (a retry would reduce the
+    failed step's gradients again and add the new ones to them), and no step timer is left running (with
+    wall_clock_breakdown a started timer refuses to start again)."""
+    from support.training import assert_identical, snapshot
+
+    engines = [ZERO_0_1_PATHS[path_name].initialize(gas=1, managed=False, wall_clock_breakdown=True) for _ in "ab"]
+    failing, reference = engines
+    step = failing.optimizer.step
+
+    def failing_step(*args, **kwargs):
+        raise RuntimeError("optimizer failure")
+
+    failing.optimizer.step = failing_step
+    backward(failing, forward_loss(failing, 0, 0))
+    with pytest.raises(RuntimeError, match="optimizer failure"):
+        failing.step()
+    failing.optimizer.step = step
+    for engine in engines:
+        backward(engine, forward_loss(engine, 1, 0))
+        engine.step()
+    assert_identical(snapshot(failing), snapshot(reference), "after a failed step()", ignore=("global_steps", ))
+    destroy(*engines)
+
+
+@pytest.mark.base("0.19.3", reason="the 0.19.8 series' unmanaged-step-checks has its own test")
+@pytest.mark.parametrize("path_name", ["fp32-deepspeed-optimizer", "zero1-fp32", "bf16"])
+def test_a_failed_step_drops_its_gradients_and_leaves_the_engine_usable(dist, path_name):
+    dist.run(_failed_step_is_dropped_body, path_name)
+
+
 def _no_sync_on_one_rank_body() -> str:
     import contextlib
 
