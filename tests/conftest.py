@@ -110,6 +110,9 @@ def pytest_configure(config: pytest.Config) -> None:
         "markers", "world_size(*sizes): run the test once per world size through the "
         f"`dist` fixture (default {DEFAULT_WORLD_SIZE})")
     config.addinivalue_line("markers", "rank_timeout(seconds): this test's timeout on its ranks")
+    config.addinivalue_line(
+        "markers", "passes_on_pristine: a test of a fix-* PR that is no regression test (it checks what the fix "
+        "leaves unchanged, so it passes without the fix too): --regressions-on-pristine leaves it out")
     if config.getoption("rank_timeout") is not None:
         SETTINGS.timeout = config.getoption("rank_timeout")
 
@@ -176,6 +179,11 @@ def _other_base(item: pytest.Item) -> str | None:
     return None
 
 
+def _is_regression_test(item: pytest.Item, name: str | None) -> bool:
+    """Whether a test is a regression test of a bug-fix PR, one that must fail without the fix."""
+    return name is not None and name.startswith(FIX_PREFIX) and item.get_closest_marker("passes_on_pristine") is None
+
+
 def _check_pristine() -> None:
     try:
         version = importlib.metadata.version("deepspeed")
@@ -215,7 +223,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if skip_reason is not None:
             item.add_marker(pytest.mark.skip(reason=skip_reason))
         if on_pristine:
-            wanted = name is not None and name.startswith(FIX_PREFIX)
+            wanted = _is_regression_test(item, name)
         else:
             wanted = upto is None or pr_of(item) <= upto
         path_name = callspec.params.get("path_name") if callspec is not None else None

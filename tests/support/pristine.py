@@ -1,12 +1,13 @@
-"""What DeepSpeed computes without the unmanaged PRs, computed on this machine and cached per machine.
+"""What DeepSpeed computes with a prefix of the series, computed on this machine and cached per machine.
 
 Floating-point kernels differ by instruction set, so a bit-level reference holds only on the CPU that
-computed it: nothing here is committed. The reference tree is the pinned sdist with the series' leading
-bug-fix PRs (``fix-*``) applied and no unmanaged PR, materialized by ``tools/stack.py`` and imported
-straight from its folder by W fresh rank processes (nothing is installed). Results are cached under
-``<stack cache>/reference/`` keyed by everything that can change them: the CPU model and flags, the
-accelerator, the Python and torch versions, the pinned sdist, the bug-fix patches and the test sources
-that define the runs.
+computed it: nothing here is committed. A reference tree is the pinned sdist with the series' first K PRs
+applied, materialized by ``tools/stack.py`` and imported straight from its folder by W fresh rank processes
+(nothing is installed); the ranks run one case table of ``support.reference_run.TABLES``. Two references are
+used: the leading bug-fix PRs (``fix-*``) and no unmanaged PR, for the default-behaviour check, and no PR at
+all (pristine 0.19.3), for the bug fixes' own promise. Results are cached under ``<stack cache>/reference/``
+keyed by everything that can change them: the CPU model and flags, the accelerator, the Python and torch
+versions, the pinned sdist, the applied patches, the case table and the test sources that define the runs.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ TESTS = Path(__file__).resolve().parent.parent
 ROOT = TESTS.parent
 #: Bug-fix PRs of the series carry this short-name prefix and come before every unmanaged PR.
 BUG_FIX_PREFIX = "fix-"
+#: The case table of the default-behaviour check (``support.reference_run.TABLES``).
+DEFAULT_TABLE = "default"
 #: How long the reference ranks may take for all cases together (JIT builds included).
 TIMEOUT = float(os.environ.get("DS_SERIES_REFERENCE_TIMEOUT", "1800"))
 
@@ -74,25 +77,37 @@ def machine_fingerprint() -> dict[str, str]:
     }
 
 
-def cache_key(world_size: int) -> str:
+def series_prefix(upto: int | None = None) -> list:
+    """The PRs a reference tree applies: the series' first ``upto`` (None: the leading bug-fix PRs)."""
+    if upto is None:
+        return bug_fix_prefix()
+    stack = _stack()
+    return stack.select(stack.read_series(), upto)
+
+
+def cache_key(world_size: int, upto: int | None = None, table: str = DEFAULT_TABLE) -> str:
+    """The cached results' name: everything that can change what ``table`` computes on the tree of ``upto``."""
     stack = _stack()
     h = hashlib.sha256()
     h.update(json.dumps(machine_fingerprint(), sort_keys=True).encode())
-    h.update(f"{stack.UPSTREAM_SHA256} w{world_size}".encode())
-    for patch in bug_fix_prefix():
+    h.update(f"{stack.UPSTREAM_SHA256} w{world_size} {table}".encode())
+    for patch in series_prefix(upto):
         h.update(patch.path.read_bytes())
     for source in sorted((TESTS / "support").glob("*.py")) + [TESTS / "harness" / "worker.py"]:
         h.update(source.name.encode() + source.read_bytes())
     return h.hexdigest()[:32]
 
 
-def reference_results(world_size: int) -> dict[str, list[dict[str, Any]]]:
-    """Every ``reference_run.CASES`` result per rank, from the cache or computed now."""
+def reference_results(world_size: int,
+                      upto: int | None = None,
+                      table: str = DEFAULT_TABLE) -> dict[str, list[dict[str, Any]]]:
+    """Every result of ``reference_run.TABLES[table]`` per rank on the sdist plus the series' first ``upto`` PRs
+    (None: the bug-fix PRs only; 0: pristine), from the cache or computed now."""
     stack = _stack()
-    cached = stack.cache_dir() / "reference" / f"{cache_key(world_size)}.json"
+    cached = stack.cache_dir() / "reference" / f"{cache_key(world_size, upto, table)}.json"
     if cached.exists():
         return json.loads(cached.read_text())
-    results = _compute(world_size)
+    results = _compute(world_size, series_prefix(upto), table)
     cached.parent.mkdir(parents=True, exist_ok=True)
     partial = cached.with_suffix(".partial")
     partial.write_text(json.dumps(results, sort_keys=True))
@@ -100,17 +115,17 @@ def reference_results(world_size: int) -> dict[str, list[dict[str, Any]]]:
     return results
 
 
-def _compute(world_size: int) -> dict[str, list[dict[str, Any]]]:
+def _compute(world_size: int, prs: list, table: str) -> dict[str, list[dict[str, Any]]]:
+    """``table`` run by W fresh ranks on the sdist plus ``prs``."""
     sys.path.insert(0, str(TESTS))
     from harness import launch
 
     stack = _stack()
-    fixes = bug_fix_prefix()
     # A stable tree path. DeepSpeed's JIT-built ops (CPU Adam, async I/O) are keyed by their source and include
     # paths: built from the tree into the installed DeepSpeed's extension folder, they would rebuild each side's in
     # turn. The ranks therefore build them from the installed DeepSpeed's sources when those are the tree's (the
     # same build, already done, see _installed_ops_with_the_same_sources), else from the tree into its own folder.
-    tree = _reference_tree(stack, fixes)
+    tree = _reference_tree(stack, prs)
     backend = launch.backend()
     installed_ops = _installed_ops_with_the_same_sources(tree)
 
@@ -136,7 +151,7 @@ def _compute(world_size: int) -> dict[str, list[dict[str, Any]]]:
             env = env_of(rank, port)
             log = open(Path(tmp) / f"rank{rank}.log", "wb")
             procs.append((subprocess.Popen([sys.executable, "-m", "support.pristine", tmp,
-                                            str(tree), backend],
+                                            str(tree), backend, table],
                                            env=env,
                                            cwd=tmp,
                                            stdout=log,
@@ -156,7 +171,7 @@ def _compute(world_size: int) -> dict[str, list[dict[str, Any]]]:
         if failed:
             tails = "\n".join(f"--- rank {r} ---\n" + (Path(tmp) / f"rank{r}.log").read_text(errors="replace")[-4000:]
                               for r in failed)
-            raise RuntimeError(f"the reference run on {tree} (sdist + {len(fixes)} bug-fix PRs) failed:\n{tails}")
+            raise RuntimeError(f"the reference run of {table} on {tree} (sdist + {len(prs)} PR(s)) failed:\n{tails}")
         per_rank = [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(world_size)]
     return {name: [per_rank[r][name] for r in range(world_size)] for name in per_rank[0]}
 
@@ -208,24 +223,25 @@ def _installed_ops_with_the_same_sources(tree: Path) -> Path | None:
     return ops
 
 
-def _reference_tree(stack, fixes: list) -> Path:
-    """The sdist plus ``fixes``, materialized once under the cache (a plain tree, no git metadata)."""
+def _reference_tree(stack, prs: list) -> Path:
+    """The sdist plus ``prs`` (the series' first ones), materialized once under the cache (a plain tree, no git
+    metadata)."""
     h = hashlib.sha256(stack.UPSTREAM_SHA256.encode())
-    for patch in fixes:
+    for patch in prs:
         h.update(patch.path.read_bytes())
     tree = stack.cache_dir() / "reference-trees" / h.hexdigest()[:16] / "deepspeed"
     if not (tree / "deepspeed" / "__init__.py").exists():
         staging = tree.with_name("staging")
         shutil.rmtree(staging, ignore_errors=True)
-        stack.materialize(staging, upto=len(fixes), require_extras=False)
+        stack.materialize(staging, upto=len(prs), require_extras=False)
         shutil.rmtree(staging / ".git")
         shutil.rmtree(tree, ignore_errors=True)
         staging.rename(tree)
     return tree
 
 
-def _rank_main(out: str, tree: str, backend: str) -> None:
-    """One reference rank: every case in turn, each from the same start state as a test rank's.
+def _rank_main(out: str, tree: str, backend: str, table: str) -> None:
+    """One reference rank: every case of ``table`` in turn, each from the same start state as a test rank's.
 
     Like a test rank, it dumps every thread's stack if it crashes (a CI run once lost a rank with nothing but
     "terminate called without an active exception" in its log), and it leaves with ``os._exit`` once its results
@@ -239,7 +255,7 @@ def _rank_main(out: str, tree: str, backend: str) -> None:
     from harness.runner import SETTINGS
     from examples.ranks import disable_cpu_shm_allreduce
     from harness.worker import _flush_and_exit, _reset_state
-    from support.reference_run import CASES, fixed_run
+    from support.reference_run import TABLES, fixed_run
 
     if backend == "nccl":
         from deepspeed.accelerator import get_accelerator
@@ -250,9 +266,9 @@ def _rank_main(out: str, tree: str, backend: str) -> None:
     deepspeed.init_distributed(dist_backend=backend, verbose=False)
     workdir = Path(out, "work")
     results = {}
-    for name in CASES:
+    for name in TABLES[table]:
         _reset_state(SETTINGS.seed)
-        results[name] = fixed_run(name, str(workdir))
+        results[name] = fixed_run(name, str(workdir), table)
     Path(out, f"rank{deepspeed.comm.get_rank()}.json").write_text(json.dumps(results))
     deepspeed.comm.barrier()
     _flush_and_exit(0)

@@ -328,6 +328,26 @@ def test_regressions_on_pristine_refuse_a_patched_deepspeed(tmp_path):
     assert rc != 0 and "needs DeepSpeed without the series" in out and "0.19.3+unmanagedga.4" in out, out
 
 
+def test_regressions_on_pristine_leave_out_what_passes_on_pristine(tmp_path):
+    """A test of a fix-* PR marked passes_on_pristine (what the fix leaves unchanged) is no regression test: not
+    run as a strict xfail on pristine, run as usual on the series."""
+    pristine, series = tmp_path / "pristine", tmp_path / "series"
+    for folder in (pristine, series):
+        folder.mkdir()
+        (folder / "test_sample.py").write_text(
+            REGRESSION_SAMPLE.format(fails="False") + textwrap.dedent("""
+            @pytest.mark.pr("fix-thing")
+            @pytest.mark.passes_on_pristine
+            def test_unchanged_by_the_fix():
+                pass
+        """))
+    rc, out = _child_pytest(pristine, "--regressions-on-pristine", installed_version="0.19.3+unmanagedga.0")
+    assert rc == 0 and "3 deselected, 1 xfailed" in out, out
+    rc, out = _child_pytest(series, "--upto", "fix-thing", "-k", "unchanged")
+    assert rc == 0 and "1 passed, 3 deselected" in out, out
+    assert "PytestUnknownMarkWarning" not in out, out
+
+
 def test_pr_markers_name_prs_of_the_series(tmp_path):
     old, named = tmp_path / "old", tmp_path / "named"
     old.mkdir()
