@@ -50,11 +50,13 @@ class Case:
     needs_aio: bool = False
     #: Micro-batches per step (``gradient_accumulation_steps``).
     gas: int = GAS
+    #: Runs only with CUDA GPUs (NCCL): ZenFlow, SuperOffload and DeepCompile need them.
+    needs_cuda: bool = False
 
 
-def _case(path: Path, drive: str = "plain", gas: int = GAS, **more: Any) -> Case:
+def _case(path: Path, drive: str = "plain", gas: int = GAS, needs_cuda: bool = False, **more: Any) -> Case:
     """A case; ``more`` are ds_config keys on top of the path's (``None`` removes one)."""
-    return Case(path, drive, more, needs_aio="nvme" in repr(path.extra), gas=gas)
+    return Case(path, drive, more, needs_aio="nvme" in repr(path.extra), gas=gas, needs_cuda=needs_cuda)
 
 
 _Z0 = Path(0, "fp32", {**CLIP, **WARMUP})
@@ -143,6 +145,35 @@ _NVME_1_2 = {"device": "nvme", "nvme_path": NVME["nvme_path"], "extra": AIO}
 #: world size does not divide (``narrow`` past the end): a model whose parameter sizes divide by 2 and 4.
 _EVEN_SIZES = {"model_fn": make_wide_model}
 
+#: DeepSpeed's own Adam for the GPU-only writers (ZenFlow and SuperOffload bring their CPU optimizers).
+_GPU_ADAM = {"optimizer": {"type": "Adam", "params": {"torch_adam": None}}, "zero_allow_untested_optimizer": True}
+#: ZenFlow with CPU optimizer offload (it always offloads), a synchronous update and no warm-up rounds.
+_ZENFLOW = {
+    "offload_optimizer": {
+        "device": "cpu"
+    },
+    "overlap_comm": True,
+    "zenflow": {
+        "topk_ratio": 0.2,
+        "select_strategy": "step",
+        "select_interval": 2,
+        "update_interval": 2,
+        "overlap_step": False,
+        "full_warm_up_rounds": 0,
+    },
+}
+
+_ZENFLOW3 = Path(3, "fp32", {**_GPU_ADAM, "zero_optimization": _ZENFLOW})
+_SUPEROFFLOAD3 = Path(3, "bf16", {
+    **_GPU_ADAM, "zero_optimization": {
+        "offload_optimizer": {
+            "device": "cpu",
+            "super_offload": True
+        }
+    }
+})
+_DEEPCOMPILE3 = Path(3, "fp32", {**_GPU_ADAM, "compile": {"deepcompile": True}}, zero_init=True)
+
 #: Configurations in which every parameter gets a gradient in every micro-batch, where each bug-fix PR promises
 #: the path of 0.19.3 exactly: ZeRO 0-3 in fp32, bf16 and fp16, clipping on and off, GAS 1 and 2, CPU and NVMe
 #: optimizer offload, ZeRO-3 parameter offload, MoE, the user's own gradient access between the boundary backward
@@ -193,6 +224,12 @@ EVERY_GRADIENT_CASES: dict[str, Case] = {
     "zero3-offload-optimizer-zero-grad-between": _case(_offload3(optimizer={}), "optimizer_zero_grad_between"),
     "zero3-offload-param": _case(_offload3(param={})),
     "zero3-offload-param-and-optimizer-gas1": _case(_offload3(param={}, optimizer={}), gas=1),
+    # The writers of ZeRO-3 gradient partitions that bypass the base partition_grads() run only on CUDA GPUs: the
+    # multi-GPU workflow runs these (skipped elsewhere). ZenFlow replaces partition_grads() and keeps its own fp32
+    # gradients, SuperOffload overrides partition_grads() and step(), DeepCompile's compiled ops write the buffers.
+    "zero3-zenflow": _case(_ZENFLOW3, needs_cuda=True),
+    "zero3-superoffload": _case(_SUPEROFFLOAD3, needs_cuda=True),
+    "zero3-deepcompile": _case(_DEEPCOMPILE3, "compiled", needs_cuda=True),
 }
 
 #: The case tables a reference run (``support.pristine``) computes, by name.
@@ -218,6 +255,8 @@ def fixed_run(name: str, workdir: str, table: str = "default") -> dict:
     op does not build returns ``{"skipped": reason}``.
     """
     case = TABLES[table][name]
+    if case.needs_cuda and not torch.cuda.is_available():
+        return {"skipped": "needs CUDA GPUs (the multi-GPU workflow runs it)"}
     if case.needs_aio and not aio_available():
         return {"skipped": "DeepSpeed's async I/O op (NVMe offload) does not build here (libaio-dev missing?)"}
     engine = case.path.initialize(gas=case.gas, managed=None, **case.more)
@@ -276,6 +315,12 @@ def _checkpoint(engine, workdir: str, gas: int) -> None:
     _plain(engine, workdir, gas, range(2, STEPS))
 
 
+def _compiled(engine, workdir: str, gas: int) -> None:
+    """DeepCompile: the engine's ``compile()`` before the plain loop."""
+    engine.compile()
+    _plain(engine, workdir, gas)
+
+
 def _safe_full_grad_between(engine, workdir: str, gas: int) -> dict:
     """After each step's boundary backward and before ``step()``, every parameter's full gradient read through
     ``deepspeed.utils.safe_get_full_grad`` and half of it written back with ``safe_set_full_grad``: user code
@@ -305,6 +350,7 @@ _DRIVES: dict[str, Callable[..., dict | None]] = {
     "fp16_overflow": _fp16_overflow,
     "checkpoint": _checkpoint,
     "safe_full_grad_between": _safe_full_grad_between,
+    "compiled": _compiled,
 }
 
 
