@@ -65,6 +65,15 @@ def test_a_factor_wrong_on_one_rank_raises_on_every_rank(dist, path_name):
     assert messages[0][2] == messages[1][2]
 
 
+@pytest.mark.base("0.19.3", reason="the 0.19.8 series' gradient-divide-factor does not read the factor this way")
+@pytest.mark.world_size(2)
+@pytest.mark.parametrize("path_name", ["fp32-deepspeed-optimizer", "zero3-fp32"])
+def test_an_unreadable_factor_on_one_rank_raises_on_every_rank(dist, path_name):
+    messages = dist.run(scenarios.unreadable_factor_on_one_rank, path_name)
+    assert "meta" in messages[0][0] and "complex" in messages[0][1].lower(), messages[0]
+    assert all("invalid on another" in m for m in messages[1]), messages[1]
+
+
 def _hybrid_engine_takes_the_factor() -> None:
     """DeepSpeedHybridEngine (RLHF) overrides step(): it must take and forward the factor. Its step() body is
     run on an unmanaged engine with the hybrid engine's inference state empty (building a real hybrid engine

@@ -508,3 +508,21 @@ def factor_errors_on_one_rank(path_name: str) -> list:
     engine.step(gradient_divide_factor=4.0)  # the engine is still usable
     destroy(engine)
     return messages
+
+
+def unreadable_factor_on_one_rank(path_name: str) -> list:
+    """A 0-dim factor whose value cannot be read as a real number on one rank (a meta tensor: ``.item()`` raises; a
+    complex one): every rank raises the same ValueError, before any reduction, and none hangs."""
+    engine = PATHS[path_name].initialize(gas=1, managed=False)
+    rank = ds_comm.get_rank()
+    messages = []
+    for bad in (torch.tensor(2.0, device="meta"), torch.tensor(2.0 + 0j)):
+        engine.backward(forward_loss(engine, 0, 0))
+        with pytest.raises(ValueError, match="gradient_divide_factor") as error:
+            engine.step(gradient_divide_factor=bad if rank == 0 else 4.0)
+        messages.append(str(error.value))
+        engine.zero_grad()
+    engine.backward(forward_loss(engine, 0, 0))
+    engine.step(gradient_divide_factor=4.0)  # the engine is still usable
+    destroy(engine)
+    return messages
