@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from .launch import ROOT, ServerProcess, serve
+from .model import parse_base_model
 
 DEFAULT_CHECKPOINTS = ROOT / "scratch" / "tinker_checkpoints"
 
@@ -26,9 +27,9 @@ def _server_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-compress", action="store_true", help="do not ask the SDK to zstd request bodies")
     parser.add_argument("--long-poll-s", type=float, default=10.0,
                         help="how long retrieve_future holds a pending request before answering try_again")
-    parser.add_argument("--base-model", action="append", default=[], metavar="PATH",
+    parser.add_argument("--base-model", action="append", default=[], metavar="[NAME=]PATH",
                         help="a local Hugging Face causal LM directory to serve (repeatable); clients name it by "
-                        "its absolute path")
+                        "its absolute path, or by NAME (e.g. the Hugging Face name Qwen/Qwen3-8B) when given")
     parser.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
                         help="auto: one GPU per rank with NCCL when CUDA GPUs exist, else the CPU with gloo")
 
@@ -41,8 +42,10 @@ def _rank_args(args: argparse.Namespace) -> list[str]:
         out.append("--no-compress")
     if args.ready_file:
         out += ["--ready-file", str(args.ready_file)]
-    for path in args.base_model:
-        out += ["--base-model", str(Path(path).expanduser().resolve())]
+    for value in args.base_model:
+        name, path = parse_base_model(value)
+        resolved = str(Path(path).expanduser().resolve())
+        out += ["--base-model", f"{name}={resolved}" if name else resolved]
     out += ["--device", args.device, "--host", args.host]
     return out
 

@@ -4,7 +4,7 @@ Nothing is downloaded. The built-in models are built from local configs, so the 
 test's plain PyTorch replay construct bit-identical initial weights from the same name and seed;
 their tokens are bytes (token id == byte value). ``serve --base-model PATH`` adds a causal LM saved
 with ``save_pretrained`` (any architecture ``AutoModelForCausalLM`` loads), named by its absolute
-path, with its tokenizer from the same directory.
+path, with its tokenizer from the same directory; ``--base-model NAME=PATH`` serves it as NAME.
 """
 
 from __future__ import annotations
@@ -70,20 +70,37 @@ class LoraSpec:
         return names
 
 
-def register_local_model(path: str | os.PathLike[str]) -> BaseModelSpec:
-    """Make a local Hugging Face causal LM servable under its absolute path (every rank calls this)."""
+def parse_base_model(value: str) -> tuple[str | None, str]:
+    """A ``--base-model`` value: ``PATH`` (served under its absolute path) or ``NAME=PATH`` (served as NAME, e.g.
+    the Hugging Face name ``Qwen/Qwen3-8B`` that tinker-cookbook looks renderers and learning rates up by)."""
+    if "=" in value and not Path(value).expanduser().is_dir():
+        name, path = value.split("=", 1)
+        if not name.strip() or not path:
+            raise ValueError(f"--base-model {value!r}: expected PATH or NAME=PATH")
+        return name.strip(), path
+    return None, value
+
+
+def register_local_model(value: str | os.PathLike[str]) -> BaseModelSpec:
+    """Make a local Hugging Face causal LM servable (every rank calls this): ``PATH`` under its absolute path,
+    ``NAME=PATH`` under NAME."""
     from transformers import AutoConfig
 
+    name, path = parse_base_model(str(value))
     directory = Path(path).expanduser().resolve()
     if not (directory / "config.json").is_file():
-        raise ValueError(f"--base-model {path}: no config.json there (save the model with save_pretrained)")
+        raise ValueError(f"--base-model {value}: no config.json in {directory} (save the model with save_pretrained)")
+    name = name or str(directory)
+    if name in BASE_MODELS and BASE_MODELS[name].path != str(directory):
+        raise ValueError(f"--base-model {value}: the name {name!r} is already served from "
+                         f"{BASE_MODELS[name].path or 'a built-in config'}")
     config = AutoConfig.from_pretrained(str(directory))
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     context = next((getattr(text, a) for a in ("max_position_embeddings", "n_positions", "max_sequence_length")
                     if getattr(text, a, None)), 2048)
     eos = getattr(text, "eos_token_id", None)
     eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos), ))
-    spec = BaseModelSpec(str(directory), int(text.vocab_size), int(getattr(text, "hidden_size", 0) or 0), 0,
+    spec = BaseModelSpec(name, int(text.vocab_size), int(getattr(text, "hidden_size", 0) or 0), 0,
                          int(getattr(text, "num_hidden_layers", 0) or 0), 0, 0, int(context), path=str(directory),
                          eos_token_ids=eos_ids, model_type=str(config.model_type))
     BASE_MODELS[spec.name] = spec

@@ -46,7 +46,8 @@ class RankOptions:
     max_chunk_datums: int
     compress_fwdbwd: bool
     long_poll_s: float
-    #: Local Hugging Face model directories to serve besides the built-in byte-level models.
+    #: Local Hugging Face model directories to serve besides the built-in byte-level models (``PATH`` or
+    #: ``NAME=PATH``).
     base_models: tuple[str, ...] = ()
     #: Interface rank 0's HTTP server binds (loopback unless told otherwise).
     host: str = "127.0.0.1"

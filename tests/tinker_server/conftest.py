@@ -2,7 +2,8 @@
 
 One 2-rank server per ZeRO stage serves the whole session (starting one costs ~20 s on 2 cores);
 every test creates its own models on it. Each also serves a tiny local Hugging Face model
-(``--base-model``), built here with ``save_pretrained``.
+(``--base-model``), built here with ``save_pretrained``, under its path and under a Hugging Face name
+(``--base-model NAME=PATH``, ``NAMED_MODEL``).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ for path in (ROOT, HERE):  # the server package lives in examples/; tinker_sdk_h
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
 
-from tinker_sdk_helpers import (build_tiny_hf_model, require, start_server, stop_server,  # noqa: E402
+from tinker_sdk_helpers import (NAMED_MODEL, build_tiny_hf_model, require, start_server, stop_server,  # noqa: E402
                                 unmanaged_stage_supported)
 
 
@@ -37,7 +38,7 @@ def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     if not unmanaged_stage_supported(request.param):
         pytest.skip(f"this DeepSpeed does not support unmanaged mode with ZeRO stage {request.param}")
     tmp_dir = tmp_path_factory.mktemp(f"tinker-zero{request.param}")
-    server = start_server(tmp_dir, request.param, base_models=(local_hf_model, ))
+    server = start_server(tmp_dir, request.param, base_models=(local_hf_model, f"{NAMED_MODEL}={local_hf_model}"))
     server.checkpoint_dir = tmp_dir / "ckpt"
     server.zero_stage = request.param
     server.local_model = str(local_hf_model)

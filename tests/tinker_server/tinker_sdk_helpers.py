@@ -30,6 +30,9 @@ def require(module: str) -> Any:
 
 
 API_KEY = "tml-test"
+#: The Hugging Face name the session's servers also serve the tiny local model under (``--base-model NAME=PATH``):
+#: one tinker-cookbook's model tables know.
+NAMED_MODEL = "Qwen/Qwen3-8B"
 RESULT_TIMEOUT_S = 120
 #: Generous: a loaded 2-core machine can take a minute to import torch and DeepSpeed on 2 ranks.
 START_TIMEOUT_S = 300
@@ -52,7 +55,8 @@ def unmanaged_stage_supported(stage: int) -> bool:
 
 
 def start_server(tmp_dir: Path, zero_stage: int, checkpoint_dir: Path | None = None, base_models: tuple = ()):
-    """A 2-rank server on loopback with short long-polls; the caller stops it (by PID)."""
+    """A 2-rank server on loopback with short long-polls, serving ``base_models`` (``PATH`` or ``NAME=PATH``);
+    the caller stops it (by PID)."""
     from examples.tinker_server.launch import ServerProcess
 
     # Two GPUs or more: the server's default, one rank per GPU (NCCL). Fewer: 2 CPU ranks (gloo).
