@@ -177,13 +177,17 @@ def _build_local(spec: BaseModelSpec, lora: LoraSpec | None) -> torch.nn.Module:
 
 
 def token_logprobs(model: torch.nn.Module, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """``logprobs[b, t] = log p(targets[b, t] | tokens[b, :t+1])`` for a right-padded batch.
+    """``logprobs[b, t] = log p(targets[b, t] | tokens[b, :t+1])`` for a right-padded batch; with
+    ``[B, T, K]`` targets (K per position) the result is ``[B, T, K]``.
 
     Right padding needs no attention mask: a causal model never lets a real position attend
     to a later (padded) one.
     """
     logits = model(input_ids=tokens).logits.float()
-    return torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    logprobs = torch.log_softmax(logits, dim=-1)
+    if targets.dim() == 3:
+        return logprobs.gather(-1, targets)
+    return logprobs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
 
 
 def cross_entropy_sum(logprobs: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

@@ -20,8 +20,12 @@ LOSS_INPUTS: dict[str, tuple[frozenset[str], frozenset[str]]] = {
     "importance_sampling": (frozenset({"target_tokens", "logprobs", "advantages"}), frozenset()),
     "ppo": (frozenset({"target_tokens", "logprobs", "advantages"}), frozenset()),
     "cispo": (frozenset({"target_tokens", "logprobs", "advantages"}), frozenset()),
+    "dro": (frozenset({"target_tokens", "logprobs", "advantages"}), frozenset()),
+    "gspo": (frozenset({"target_tokens", "logprobs", "advantages", "sequence_ratio_mask"}), frozenset()),
 }
 SUPPORTED_LOSS_FNS = tuple(LOSS_INPUTS)
+#: Losses whose ``target_tokens`` (and ``weights``) may be ``[N, K]``: K targets per position (top-K distillation).
+SOFT_TARGET_LOSSES = frozenset({"cross_entropy"})
 
 #: ``loss_fn_config`` keys each loss accepts, with Tinker's defaults (ratio thresholds, not epsilons).
 LOSS_CONFIG_DEFAULTS: dict[str, dict[str, float]] = {
@@ -29,7 +33,25 @@ LOSS_CONFIG_DEFAULTS: dict[str, dict[str, float]] = {
     "importance_sampling": {},
     "ppo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
     "cispo": {"clip_low_threshold": 0.0, "clip_high_threshold": 4.0},
+    "dro": {},
+    "gspo": {},
 }
+#: Keys a loss needs in ``loss_fn_config``: Tinker's docs define them but publish no default, so none is guessed.
+LOSS_CONFIG_REQUIRED: dict[str, frozenset[str]] = {
+    "dro": frozenset({"beta"}),
+    "gspo": frozenset({"clip_low_threshold", "clip_high_threshold"}),
+}
+#: Why a loss of the SDK's ``LossFnType`` is refused, for the error message.
+UNSUPPORTED_LOSS_REASONS: dict[str, str] = {
+    "stable_reinforce": "Tinker does not publish StableReinforce's objective (only that it uses stability "
+    "information recorded at sampling time), so this server cannot compute it; train with ppo, cispo or "
+    "importance_sampling instead (tinker-cookbook: AsyncConfig(loss_fn=...) or loss_fn=...)",
+}
+#: The per-token float inputs besides ``weights``: ``Datum`` field -> ``loss_fn_inputs`` name.
+PER_TOKEN_INPUTS = {"sampling_logprobs": "logprobs", "advantages": "advantages",
+                    "sequence_ratio_mask": "sequence_ratio_mask"}
+#: A sparse tensor is densified on arrival: refuse shapes no datum could need before allocating them.
+MAX_TENSOR_ELEMENTS = 1 << 26
 
 PROTO_CONTENT_TYPE = "application/x-protobuf"
 
@@ -42,15 +64,18 @@ class UserError(Exception):
 class Datum:
     """One training example, flattened: token ``t`` is scored against ``targets[t]``.
 
-    ``weights`` is for ``cross_entropy``; the RL losses read the sampler's ``sampling_logprobs``
-    and the ``advantages`` instead (their ``weights`` are ones, unused).
+    ``targets`` and ``weights`` are ``[L]``, or ``[L, K]`` for ``cross_entropy`` with K targets per
+    position (top-K soft targets). ``weights`` is for ``cross_entropy``; the RL losses read the
+    sampler's ``sampling_logprobs`` and the ``advantages`` instead (their ``weights`` are ones, unused),
+    and ``gspo`` the ``sequence_ratio_mask`` too.
     """
 
     tokens: np.ndarray  # int64 [L]
-    targets: np.ndarray  # int64 [L]
-    weights: np.ndarray  # float32 [L]
+    targets: np.ndarray  # int64 [L] or [L, K]
+    weights: np.ndarray  # float32, the shape of targets
     sampling_logprobs: np.ndarray | None = None  # float32 [L]
     advantages: np.ndarray | None = None  # float32 [L]
+    sequence_ratio_mask: np.ndarray | None = None  # float32 [L]; != 0 marks gspo's sequence-ratio tokens
 
 
 @dataclass(frozen=True)
@@ -68,7 +93,7 @@ class FwdBwdRequest:
 
 @dataclass(frozen=True)
 class FwdBwdResult:
-    """Per-datum outputs of one request, in request order."""
+    """Per-datum outputs of one request, in request order (``[N]``, or ``[N, K]`` for ``[N, K]`` targets)."""
 
     logprobs: tuple[np.ndarray, ...]
     elementwise_loss: tuple[np.ndarray, ...]
@@ -99,27 +124,58 @@ def decompress(body: bytes, content_encoding: str | None) -> bytes:
         raise UserError(f"malformed zstd body: {e}") from None
 
 
-def _tensor(msg: Any, name: str) -> np.ndarray:
-    """A dense 1-D ``Tensor`` as numpy; sparse or multi-dimensional tensors are refused."""
+def _array(raw: bytes, dtype: Any, name: str) -> np.ndarray:
+    itemsize = np.dtype(dtype).itemsize
+    if len(raw) % itemsize:
+        raise UserError(f"loss_fn_inputs[{name!r}]: {len(raw)} bytes is not a whole number of items")
+    return np.frombuffer(raw, dtype=dtype)
+
+
+def _from_csr(csr: Any, dtype: Any, shape: list[int], name: str) -> np.ndarray:
+    """A sparse CSR tensor densified: unlisted entries are 0 (the wire carries no other pad value)."""
+    if len(shape) != 2 or min(shape) < 0 or shape[0] * shape[1] > MAX_TENSOR_ELEMENTS:
+        raise UserError(f"loss_fn_inputs[{name!r}]: a sparse tensor needs a 2-D shape, got {shape}")
+    values = _array(csr.values, dtype, name)
+    crow = _array(csr.crow_indices, np.int64, name)
+    col = _array(csr.col_indices, np.int64, name)
+    rows, cols = shape
+    if (len(crow) != rows + 1 or crow[0] != 0 or np.any(np.diff(crow) < 0) or crow[-1] != len(col)
+            or len(col) != len(values) or np.any((col < 0) | (col >= cols))):
+        raise UserError(f"loss_fn_inputs[{name!r}]: malformed sparse CSR tensor of shape {shape}")
+    row = np.repeat(np.arange(rows), np.diff(crow))
+    if len(np.unique(row * cols + col)) != len(col):
+        raise UserError(f"loss_fn_inputs[{name!r}]: sparse CSR tensor lists an entry twice")
+    dense = np.zeros(shape, dtype=dtype)
+    dense[row, col] = values
+    return dense
+
+
+def _tensor(msg: Any, name: str, max_dims: int = 1) -> np.ndarray:
+    """A ``Tensor`` (dense, or sparse CSR) as a numpy array of at most ``max_dims`` dimensions."""
     pb = _pb()
     dtypes = {pb.DTYPE_FLOAT32: np.float32, pb.DTYPE_INT64: np.int64, pb.DTYPE_INT32: np.int32}
     if msg.dtype not in dtypes:
         raise UserError(f"loss_fn_inputs[{name!r}]: unsupported dtype {msg.dtype}")
-    if msg.WhichOneof("encoding") != "dense":
-        raise UserError(f"loss_fn_inputs[{name!r}]: only dense tensors are supported")
-    itemsize = np.dtype(dtypes[msg.dtype]).itemsize
-    if len(msg.dense) % itemsize:
-        raise UserError(f"loss_fn_inputs[{name!r}]: {len(msg.dense)} bytes is not a whole number of items")
-    array = np.frombuffer(msg.dense, dtype=dtypes[msg.dtype])
-    shape = list(msg.shape) or [array.size]
-    if len(shape) != 1 or shape[0] != array.size:
-        raise UserError(f"loss_fn_inputs[{name!r}]: shape {shape} does not match {array.size} elements "
-                        "(only 1-D tensors are supported)")
+    shape = [int(s) for s in msg.shape]
+    encoding = msg.WhichOneof("encoding")
+    if encoding == "sparse_csr":
+        array = _from_csr(msg.sparse_csr, dtypes[msg.dtype], shape, name)
+    elif encoding == "dense":
+        array = _array(msg.dense, dtypes[msg.dtype], name)
+        shape = shape or [array.size]
+        if min(shape) < 0 or int(np.prod(shape)) != array.size:
+            raise UserError(f"loss_fn_inputs[{name!r}]: shape {shape} does not match {array.size} elements")
+        array = array.reshape(shape)
+    else:
+        raise UserError(f"loss_fn_inputs[{name!r}]: a tensor without data")
+    if not 1 <= array.ndim <= max_dims:
+        allowed = "1-D ([N]) or 2-D ([N, K])" if max_dims == 2 else "1-D ([N])"
+        raise UserError(f"loss_fn_inputs[{name!r}]: shape {list(array.shape)}; this input must be {allowed}")
     return array
 
 
-def _float_input(inputs: dict[str, Any], name: str, index: int) -> np.ndarray:
-    values = _tensor(inputs[name], name).astype(np.float32)
+def _float_input(inputs: dict[str, Any], name: str, index: int, max_dims: int = 1) -> np.ndarray:
+    values = _tensor(inputs[name], name, max_dims).astype(np.float32)
     if not np.all(np.isfinite(values)):
         raise UserError(f"data[{index}]: {name} must be finite")
     return values
@@ -144,23 +200,28 @@ def _datum(msg: Any, index: int, loss_fn: str = "cross_entropy") -> Datum:
     missing = sorted(required - set(inputs))
     if missing:
         raise UserError(f"data[{index}]: {loss_fn} needs loss_fn_inputs {missing}")
-    targets = _tensor(inputs["target_tokens"], "target_tokens")
+    dims = 2 if loss_fn in SOFT_TARGET_LOSSES else 1
+    targets = _tensor(inputs["target_tokens"], "target_tokens", dims)
     if targets.dtype == np.float32:
         raise UserError(f"data[{index}]: target_tokens must be integers")
-    weights = (_float_input(inputs, "weights", index)
-               if "weights" in inputs else np.ones(len(targets), np.float32))
-    sampling_logprobs = _float_input(inputs, "logprobs", index) if "logprobs" in inputs else None
-    advantages = _float_input(inputs, "advantages", index) if "advantages" in inputs else None
+    weights = (_float_input(inputs, "weights", index, dims)
+               if "weights" in inputs else np.ones(targets.shape, np.float32))
+    extras = {field: _float_input(inputs, name, index) for field, name in PER_TOKEN_INPUTS.items() if name in inputs}
     lengths = {"input tokens": len(tokens), "target_tokens": len(targets), "weights": len(weights)}
-    if sampling_logprobs is not None:
-        lengths["logprobs"] = len(sampling_logprobs)
-    if advantages is not None:
-        lengths["advantages"] = len(advantages)
+    lengths.update({PER_TOKEN_INPUTS[field]: len(values) for field, values in extras.items()})
     if len(set(lengths.values())) != 1:
         raise UserError(f"data[{index}]: lengths disagree: " + ", ".join(f"{n} {k}" for k, n in lengths.items()))
+    if weights.shape != targets.shape:
+        raise UserError(f"data[{index}]: weights of shape {list(weights.shape)} for target_tokens of shape "
+                        f"{list(targets.shape)}")
+    if targets.ndim == 2 and targets.shape[1] == 0:
+        raise UserError(f"data[{index}]: [N, K] target_tokens need K >= 1")
     if len(tokens) == 0:
         raise UserError(f"data[{index}]: empty model_input")
-    return Datum(tokens, targets.astype(np.int64), weights, sampling_logprobs, advantages)
+    if "sequence_ratio_mask" in extras and not np.any(extras["sequence_ratio_mask"] != 0):
+        raise UserError(f"data[{index}]: sequence_ratio_mask marks no token (gspo's sequence ratio is a mean over "
+                        "the marked tokens)")
+    return Datum(tokens, targets.astype(np.int64), weights, **extras)
 
 
 def loss_config(msg: Any) -> dict[str, float]:
@@ -173,16 +234,23 @@ def loss_config(msg: Any) -> dict[str, float]:
     for key, value in msg.loss_fn_config.items():  # the older map the SDK still fills
         raw.setdefault(key, float(value))
     defaults = LOSS_CONFIG_DEFAULTS[msg.loss_fn]
-    unknown = sorted(set(raw) - set(defaults))
+    required = LOSS_CONFIG_REQUIRED.get(msg.loss_fn, frozenset())
+    unknown = sorted(set(raw) - set(defaults) - required)
     if unknown:
-        accepted = sorted(defaults) or "no keys"
+        accepted = sorted(set(defaults) | required) or "no keys"
         raise UserError(f"loss_fn_config {unknown} is not accepted by {msg.loss_fn} (it takes {accepted})")
+    missing = sorted(required - set(raw))
+    if missing:
+        raise UserError(f"{msg.loss_fn} needs loss_fn_config {missing}: Tinker's documentation gives no default, "
+                        "so this server assumes none")
     config = {**defaults, **raw}
     if not all(np.isfinite(v) for v in config.values()):
         raise UserError("loss_fn_config values must be finite")
-    if config and not 0 <= config["clip_low_threshold"] <= config["clip_high_threshold"]:
+    if "clip_low_threshold" in config and not 0 <= config["clip_low_threshold"] <= config["clip_high_threshold"]:
         raise UserError("loss_fn_config: need 0 <= clip_low_threshold <= clip_high_threshold, got "
                         f"{config['clip_low_threshold']} and {config['clip_high_threshold']}")
+    if config.get("beta", 0.0) < 0:
+        raise UserError(f"loss_fn_config: need beta >= 0, got {config['beta']}")
     return config
 
 
@@ -203,7 +271,9 @@ def parse_forward_backward(body: bytes, content_type: str | None, content_encodi
 def validate_forward_backward(msg: Any, forward_only: bool = False) -> FwdBwdRequest:
     """Structural checks of a parsed request (model-specific checks come later)."""
     if msg.loss_fn not in SUPPORTED_LOSS_FNS:
-        raise UserError(f"unsupported loss function {msg.loss_fn!r}; this server supports {list(SUPPORTED_LOSS_FNS)}")
+        reason = UNSUPPORTED_LOSS_REASONS.get(msg.loss_fn)
+        raise UserError(f"unsupported loss function {msg.loss_fn!r}; this server supports {list(SUPPORTED_LOSS_FNS)}"
+                        + (f". {reason}" if reason else ""))
     if len(msg.data) == 0:
         raise UserError("forward_backward needs at least one datum")
     config = loss_config(msg)
@@ -229,19 +299,33 @@ def check_against_model(request: FwdBwdRequest, vocab_size: int, max_context_len
             raise UserError(f"data[{i}]: {len(datum.tokens)} tokens exceed the context length {max_context_length}")
 
 
+def _runs_by_trailing_shape(result: FwdBwdResult) -> list[range]:
+    """Consecutive datums whose outputs share a trailing shape (``[]`` for ``[N]``, ``[K]`` for ``[N, K]``)."""
+    runs: list[range] = []
+    for i, array in enumerate(result.logprobs):
+        if runs and result.logprobs[runs[-1].start].shape[1:] == array.shape[1:]:
+            runs[-1] = range(runs[-1].start, i + 1)
+        else:
+            runs.append(range(i, i + 1))
+    return runs
+
+
 def encode_forward_backward_output(result: FwdBwdResult) -> bytes:
-    """The ``ForwardBackwardOutput`` protobuf the SDK decodes: one batched ``ArrayRecord``."""
+    """The ``ForwardBackwardOutput`` protobuf the SDK decodes: batched ``ArrayRecord`` chunks, one per run of
+    datums whose outputs have the same trailing shape (the SDK reads ``[N, K]`` outputs from ``trailing_shape``)."""
     pb = _pb()
     out = pb.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord")
     out.metrics["loss:sum"] = result.loss_sum
-    record = out.loss_fn_outputs.add(num_datums=len(result.logprobs))
-    for name, arrays in (("logprobs", result.logprobs), ("elementwise_loss", result.elementwise_loss)):
-        arrays32 = [np.ascontiguousarray(a, dtype=np.float32) for a in arrays]
-        offsets = np.cumsum([0] + [a.nbytes for a in arrays32], dtype=np.int64)
-        field = record.fields[name]
-        field.dtype = pb.DTYPE_FLOAT32
-        field.data = b"".join(a.tobytes() for a in arrays32)
-        field.offsets = offsets.tobytes()
+    for run in _runs_by_trailing_shape(result):
+        record = out.loss_fn_outputs.add(num_datums=len(run))
+        for name, arrays in (("logprobs", result.logprobs), ("elementwise_loss", result.elementwise_loss)):
+            arrays32 = [np.ascontiguousarray(arrays[i], dtype=np.float32) for i in run]
+            offsets = np.cumsum([0] + [a.nbytes for a in arrays32], dtype=np.int64)
+            field = record.fields[name]
+            field.dtype = pb.DTYPE_FLOAT32
+            field.data = b"".join(a.tobytes() for a in arrays32)
+            field.offsets = offsets.tobytes()
+            field.trailing_shape.extend(arrays32[0].shape[1:])
     return out.SerializeToString()
 
 
@@ -249,7 +333,7 @@ def forward_backward_output_json(result: FwdBwdResult) -> dict[str, Any]:
     """The same result as JSON, for clients that do not ask for protobuf (e.g. curl)."""
 
     def tensor(a: np.ndarray) -> dict[str, Any]:
-        return {"data": [float(x) for x in a], "dtype": "float32", "shape": [len(a)]}
+        return {"data": [float(x) for x in a.reshape(-1)], "dtype": "float32", "shape": list(a.shape)}
 
     return {
         "loss_fn_output_type": "ArrayRecord",

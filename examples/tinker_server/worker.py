@@ -82,26 +82,43 @@ def share(n: int, rank: int, world_size: int) -> range:
 
 
 def pad_inputs(data: list[Datum]) -> tuple[torch.Tensor, LossInputs]:
-    """Right-padded tokens and loss inputs; padding has mask 0, so it adds nothing to any loss."""
+    """Right-padded tokens and loss inputs; padding has mask 0, so it adds nothing to any loss.
+
+    When a datum has ``[N, K]`` targets, targets and weights are ``[B, T, K_max]``: ``[N]`` datums take
+    slot 0 and every unused slot has weight 0.
+    """
     if not data:  # an idle rank still runs a forward: ZeRO-3 gathers parameters collectively
         zeros = torch.zeros(1, 1)
         return torch.zeros(1, 1, dtype=torch.long), LossInputs(torch.zeros(1, 1, dtype=torch.long), zeros, zeros,
-                                                               zeros, zeros)
+                                                               zeros, zeros, zeros)
     length = max(len(d.tokens) for d in data)
+    k = max((d.targets.shape[1] for d in data if d.targets.ndim == 2), default=0)
     tokens = torch.zeros(len(data), length, dtype=torch.long)
-    targets = torch.zeros(len(data), length, dtype=torch.long)
-    weights, sampling, advantages, mask = (torch.zeros(len(data), length) for _ in range(4))
+    targets = torch.zeros(len(data), length, *([k] if k else []), dtype=torch.long)
+    weights = torch.zeros(targets.shape)
+    sampling, advantages, mask, ratio_mask = (torch.zeros(len(data), length) for _ in range(4))
     for i, d in enumerate(data):
         n = len(d.tokens)
         tokens[i, :n] = torch.from_numpy(d.tokens)
-        targets[i, :n] = torch.from_numpy(d.targets)
-        weights[i, :n] = torch.from_numpy(d.weights)
+        where: tuple = (i, slice(0, n))
+        if k:  # [N, K] targets fill their K slots, [N] targets slot 0
+            where += (slice(0, d.targets.shape[1]) if d.targets.ndim == 2 else 0, )
+        targets[where] = torch.from_numpy(d.targets)
+        weights[where] = torch.from_numpy(d.weights)
         mask[i, :n] = 1.0
-        if d.sampling_logprobs is not None:
-            sampling[i, :n] = torch.from_numpy(d.sampling_logprobs)
-        if d.advantages is not None:
-            advantages[i, :n] = torch.from_numpy(d.advantages)
-    return tokens, LossInputs(targets, weights, sampling, advantages, mask)
+        for padded, values in ((sampling, d.sampling_logprobs), (advantages, d.advantages),
+                               (ratio_mask, d.sequence_ratio_mask)):
+            if values is not None:
+                padded[i, :n] = torch.from_numpy(values)
+    return tokens, LossInputs(targets, weights, sampling, advantages, mask, ratio_mask)
+
+
+def unpad(values: torch.Tensor, datum: Datum, row: int) -> np.ndarray:
+    """Datum ``row``'s part of a padded ``[B, T]`` or ``[B, T, K]`` output, in the shape of its targets."""
+    n = len(datum.tokens)
+    if values.dim() == 2:
+        return values[row, :n].numpy().copy()
+    return (values[row, :n, :datum.targets.shape[1]] if datum.targets.ndim == 2 else values[row, :n, 0]).numpy().copy()
 
 
 def pad_batch(data: list[Datum]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -112,7 +129,7 @@ def pad_batch(data: list[Datum]) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
 
 def _to(inputs: LossInputs, device: torch.device) -> LossInputs:
     return LossInputs(*(t.to(device) for t in (inputs.targets, inputs.weights, inputs.sampling_logprobs,
-                                                inputs.advantages, inputs.mask)))
+                                                inputs.advantages, inputs.mask, inputs.sequence_ratio_mask)))
 
 
 @dataclass
@@ -197,8 +214,7 @@ class Worker:
             model.requests += 1
             model.datums += len(request.data)
         logprobs, losses = logprobs.detach().float().cpu(), losses.detach().float().cpu()
-        return [(logprobs[i, :len(d.tokens)].numpy().copy(), losses[i, :len(d.tokens)].numpy().copy())
-                for i, d in enumerate(mine)]
+        return [(unpad(logprobs, d, i), unpad(losses, d, i)) for i, d in enumerate(mine)]
 
     def _optim_step(self, model: TrainingModel, adam: dict[str, float]) -> dict[str, Any]:
         if model.requests == 0:  # same count on every rank, so every rank refuses together

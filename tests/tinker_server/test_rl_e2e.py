@@ -1,9 +1,11 @@
 """End to end, per ZeRO stage: the RL losses and custom losses through the official SDK.
 
 One step mixes ``importance_sampling``, ``ppo`` (default and custom clips) and ``cispo`` calls,
-the next adds a ``forward_backward_custom``; every call's ``loss:sum`` and logprobs, and the
-weights after the steps, must equal a single-process plain-PyTorch replay that computes each loss
-from its written-out formula (``reference_elementwise_loss``). Tolerances as in test_sdk_e2e, with
+the next adds a ``forward_backward_custom``; another step mixes ``dro``, ``gspo``, ``cross_entropy``
+with ``[N, K]`` targets (sent dense and sparse) and a ``forward_backward_custom`` over ``[N, K]``
+logprobs. Every call's ``loss:sum`` and logprobs, and the weights after the steps, must equal a
+single-process plain-PyTorch replay that computes each loss from its written-out formula
+(``reference_elementwise_loss``). Tolerances as in test_sdk_e2e, with
 Adam's ``eps`` at 1e-4: RL gradients have many near-zero entries (zero advantages on prompt tokens),
 which Adam with a tiny eps would scale up to ``lr * sign(noise)``; a larger eps keeps the comparison
 about the losses, not about the sign of float noise. Full fine-tuning runs on ZeRO 3 only (LoRA on
@@ -108,3 +110,80 @@ def test_rl_losses_train_exactly_as_their_formulas(server, service, lora_rank: i
         replay.optim_step(params)
 
     assert_trained_like_replay(training, server, replay, "rl-final", WEIGHT_ATOL)
+
+
+def top_k_data(rng: np.random.Generator, n: int, k: int) -> list[dict]:
+    """[N, K] targets with teacher-like weights on 2 of the K slots (0 elsewhere, so the SDK may send CSR);
+    one datum of plain [N] targets rides along."""
+    data = []
+    for i in range(n):
+        length = int(rng.integers(3, 9))
+        tokens = rng.integers(0, 256, length).tolist()
+        if i == n - 1:
+            data.append({"tokens": tokens, "targets": rng.integers(0, 256, length).tolist(),
+                         "weights": rng.choice([0.0, 1.0], length).tolist()})
+            continue
+        weights, targets = np.zeros((length, k), np.float32), np.zeros((length, k), np.int64)
+        weights[:, :2], targets[:, :2] = rng.dirichlet(np.ones(2), length), rng.integers(0, 256, (length, 2))
+        data.append({"tokens": tokens, "targets": targets.tolist(), "weights": weights.tolist()})
+    return data
+
+
+def top_k_to_sdk(data: list[dict], sparse: bool) -> list[types.Datum]:
+    def tensor(values, dtype):
+        array = torch.tensor(values, dtype=dtype)
+        return array if sparse and array.dim() == 2 else types.TensorData.from_torch(array)
+
+    return [types.Datum(model_input=types.ModelInput.from_ints(d["tokens"]),
+                        loss_fn_inputs={"target_tokens": tensor(d["targets"], torch.long),
+                                        "weights": tensor(d["weights"], torch.float32)}) for d in data]
+
+
+def top_k_custom_loss(data: list[types.Datum], logprobs: list[torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
+    """Non-linear in the [N, K] logprobs, with a gradient only where the weights are: the SDK sends it sparse."""
+    total = sum((lp.exp() * d.loss_fn_inputs["weights"].to_torch()).sum() for d, lp in zip(data, logprobs))
+    return total, {}
+
+
+def replay_formula(loss: str, config: dict | None):
+    """The elementwise loss the replay differentiates: a built-in's formula, or the custom loss above."""
+    if loss == "custom":
+        return lambda d, lp: lp.exp() * torch.tensor(d["weights"])
+    if loss == "cross_entropy":  # [N] or [N, K]: -sum of weight * logprob over every target
+        return lambda d, lp: -lp * torch.tensor(d["weights"])
+    return lambda d, lp: reference_elementwise_loss(loss, lp, d, config)
+
+
+def test_dro_gspo_and_top_k_cross_entropy_train_exactly_as_their_formulas(server, service) -> None:
+    rng = np.random.default_rng(47)
+    training = service.create_lora_training_client(base_model=BASE, rank=4, seed=6).result(timeout=120)
+    replay = PlainReplay(BASE, LoraSpec(rank=4, seed=6))
+    dro = rl_data(rng, replay, 3)
+    gspo = rl_data(rng, replay, 3)
+    for d in gspo:
+        d["sequence_ratio_mask"] = [float(a != 0.0) for a in d["advantages"]]
+    gspo_sdk = [types.Datum(model_input=datum.model_input,
+                            loss_fn_inputs={**datum.loss_fn_inputs, "sequence_ratio_mask": d["sequence_ratio_mask"]})
+                for datum, d in zip(to_sdk(gspo), gspo)]
+    dense, sparse, custom = top_k_data(rng, 3, 4), top_k_data(rng, 3, 8), top_k_data(rng, 2, 8)
+    calls = [("dro", dro, to_sdk(dro), {"beta": 0.3}),
+             ("gspo", gspo, gspo_sdk, {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1}),
+             ("cross_entropy", dense, top_k_to_sdk(dense, sparse=False), None),
+             ("cross_entropy", sparse, top_k_to_sdk(sparse, sparse=True), None),
+             ("custom", custom, top_k_to_sdk(custom, sparse=False), None)]
+    assert all(d.loss_fn_inputs["weights"].sparse_crow_indices is not None for d in calls[3][2][:-1]), "CSR sent"
+    futures = [training.forward_backward_custom(sdk, top_k_custom_loss) if loss == "custom"
+               else training.forward_backward(sdk, loss, loss_fn_config=config) for loss, _, sdk, config in calls]
+    params = adam(learning_rate=1e-2, eps=1e-4)
+    optim = training.optim_step(types.AdamParams(**params))
+
+    for (loss, data, _, config), future in zip(calls, futures):
+        output = future.result(timeout=RESULT_TIMEOUT_S)
+        expected_lp, expected = replay.loss_backward(data, replay_formula(loss, config))
+        assert output.metrics["loss:sum"] == pytest.approx(expected, rel=1e-4, abs=1e-4), loss
+        for got, want in zip(output.loss_fn_outputs, expected_lp):
+            assert got["logprobs"].shape == list(want.shape), loss
+            np.testing.assert_allclose(got["logprobs"].to_numpy(), want, atol=LOGPROB_ATOL)
+    assert optim.result(timeout=RESULT_TIMEOUT_S).metrics["fwdbwd_requests:sum"] >= len(calls)
+    replay.optim_step(params)
+    assert_trained_like_replay(training, server, replay, "rl-topk-final", WEIGHT_ATOL)

@@ -181,6 +181,14 @@ def reference_elementwise_loss(loss_fn: str, logprobs: torch.Tensor, datum: dict
     if loss_fn == "cispo":
         low, high = config.get("clip_low_threshold", 0.0), config.get("clip_high_threshold", 4.0)
         return -(torch.clamp(ratio, low, high).detach() * advantages * logprobs)
+    if loss_fn == "dro":  # Tinker's docs: target_logprobs * advantages - 0.5 * beta * (target - sampling) ** 2
+        return -(logprobs * advantages - 0.5 * config["beta"] * (logprobs - sampling)**2)
+    if loss_fn == "gspo":  # Tinker's docs (GSPO-token): the masked mean log-ratio, each token's own gradient
+        in_ratio = torch.tensor(datum["sequence_ratio_mask"]) != 0
+        log_ratio = (logprobs.detach() - sampling)[in_ratio].mean()
+        ratio = torch.exp(log_ratio + logprobs - logprobs.detach())
+        clipped = torch.clamp(ratio, config["clip_low_threshold"], config["clip_high_threshold"])
+        return -torch.min(ratio * advantages, clipped * advantages)
     raise ValueError(loss_fn)
 
 
