@@ -5,6 +5,7 @@
     python -m benchmarks render         # re-render docs/benchmarks.md from docs/benchmarks.json
     python -m benchmarks factor         # re-measure only the gradient_divide_factor table into the JSON
     python -m benchmarks list           # the configurations
+    python -m benchmarks fixcost        # the cost of the bug-fix PRs in managed mode: docs/benchmarks-fixcost.md
 """
 
 from __future__ import annotations
@@ -17,12 +18,15 @@ import shlex
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS_MD = ROOT / "docs" / "benchmarks.md"
 DOCS_JSON = ROOT / "docs" / "benchmarks.json"
 QUICK_MD = ROOT / "scratch" / "benchmarks-quick.md"
 QUICK_JSON = ROOT / "scratch" / "benchmarks-quick.json"
+FIXCOST_MD = ROOT / "docs" / "benchmarks-fixcost.md"
+QUICK_FIXCOST_MD = ROOT / "scratch" / "benchmarks-fixcost-quick.md"
 
 
 def _log(message: str) -> None:
@@ -166,6 +170,70 @@ def cmd_factor(args) -> int:
     return 0
 
 
+def cmd_fixcost(args) -> int:
+    """Pristine DeepSpeed 0.19.3 against 0.19.3 + the series' bug-fix PRs, managed mode: time, memory, collectives."""
+    out_md = Path(args.out) if args.out else (QUICK_FIXCOST_MD if args.quick else FIXCOST_MD)
+    out_json = Path(args.json) if args.json else out_md.with_suffix(".json")
+    if args.render:
+        _write_fixcost(json.loads(out_json.read_text()), out_md, None)
+        print(f"wrote {out_md}")
+        return 0
+    os.environ.setdefault("DS_BUILD_OPS", "0")
+    import torch
+    from benchmarks import configs, fixcost, machine
+
+    names = _csv(args.configs) if args.configs else list(fixcost.CONFIGURATIONS)
+    unknown = [n for n in names if n not in configs.BY_NAME]
+    if unknown:
+        print(f"unknown configuration(s): {', '.join(unknown)}; see `python -m benchmarks list`", file=sys.stderr)
+        return 2
+    steps = {1: 2, 4: 1} if args.quick else {1: 10, 4: 5}
+    for item in _csv(args.steps):
+        n_micro, count = item.split(":")
+        steps[int(n_micro)] = int(count)
+    info = machine.describe()
+    del info["deepspeed"]  # the installed one; the builds measured are described by the record's "builds"
+    print(
+        f"torch {torch.__version__}; DeepSpeed {fixcost.BASE} pristine against {fixcost.BASE} + its bug-fix PRs, "
+        "managed mode",
+        flush=True)
+    data = {
+        "schema": 1,
+        "command": ("python -m benchmarks " + " ".join(shlex.quote(a) for a in sys.argv[1:])).strip(),
+        "quick": args.quick,
+        "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "machine": info,
+    }
+    builds = fixcost.prepare_builds(_log)
+    plan = fixcost.make_plan(names, [int(n) for n in _csv(args.micro)], args.rounds, steps, quick=args.quick)
+
+    def save(record: dict) -> None:
+        record["finished"] = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+        _write_fixcost(record, out_md, out_json)
+
+    fixcost.measure(plan, builds, data, log=_log, save=save)
+    save(data)
+    _log(f"wrote {out_md} and {out_json}")
+    failed = [
+        f"{c['configuration']} N={c['n_micro']} round {e['round'] + 1} {e.get('role') or ''}: {e['error']}"
+        for c in data["cells"] for e in c["errors"]
+    ]
+    for line in failed:
+        print(f"error: {line}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def _write_fixcost(data: dict, out_md: Path, out_json: Optional[Path]) -> None:
+    from benchmarks import fixcost_report
+    fixcost_report.analyze(data)
+    if out_json is not None:
+        out_json.parent.mkdir(parents=True, exist_ok=True)
+        out_json.write_text(json.dumps(data, indent=1, sort_keys=False) + "\n")
+    analysis = fixcost_report.ANALYSIS if out_md.resolve() == FIXCOST_MD.resolve() else None
+    out_md.parent.mkdir(parents=True, exist_ok=True)
+    out_md.write_text(fixcost_report.render(data, analysis))
+
+
 def cmd_list(args) -> int:
     from benchmarks import configs
     for c in configs.CONFIGURATIONS:
@@ -213,6 +281,21 @@ def main(argv=None) -> int:
     factor.add_argument("--out", default=str(DOCS_MD))
     factor.add_argument("--micro", default="1,4", help="micro-batches per logical step (default: 1,4)")
     factor.set_defaults(func=cmd_factor)
+
+    fixcost = sub.add_parser("fixcost",
+                             help="pristine 0.19.3 against 0.19.3 + the bug-fix PRs in managed mode (the default)")
+    fixcost.add_argument("--quick", action="store_true", help="tiny tensors, few steps: a smoke run (under scratch/)")
+    fixcost.add_argument("--configs",
+                         default="",
+                         help="comma-separated configurations (default: z3, z3-opt-cpu, "
+                         "z2-opt-cpu, z1-opt-cpu)")
+    fixcost.add_argument("--micro", default="1,4", help="micro-batches per logical step (default: 1,4)")
+    fixcost.add_argument("--rounds", type=int, default=1, help="rounds (fresh engines) per configuration and N")
+    fixcost.add_argument("--steps", default="", help="measured steps per trial, as N:steps,... (default 1:10,4:5)")
+    fixcost.add_argument("--out", default=None, help="Markdown (default docs/benchmarks-fixcost.md; quick: scratch/)")
+    fixcost.add_argument("--json", default=None, help="JSON (default: beside the Markdown)")
+    fixcost.add_argument("--render", action="store_true", help="only rewrite the Markdown from the JSON")
+    fixcost.set_defaults(func=cmd_fixcost)
 
     listing = sub.add_parser("list", help="list the configurations")
     listing.set_defaults(func=cmd_list)

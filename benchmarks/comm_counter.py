@@ -165,13 +165,13 @@ class CommCounter:
         return {"calls": sum(v["calls"] for v in snap.values()), "bytes": sum(v["bytes"] for v in snap.values())}
 
 
-def subtract(after: Dict[str, Dict[str, int]], before: Dict[str, Dict[str, int]]) -> Dict[str, Dict[str, int]]:
-    """Per-op difference of two snapshots, dropping ops that did not change."""
+def subtract(after: Dict[str, Dict[str, float]], before: Dict[str, Dict[str, float]]) -> Dict[str, Dict[str, float]]:
+    """Per-entry difference of two snapshots (``{name: {"calls": ..., "bytes": ...}}``, or any numeric fields, as
+    :class:`benchmarks.method_timer.MethodTimer`'s), dropping entries that did not change."""
     out = {}
     for name in sorted(set(after) | set(before)):
-        a = after.get(name, {"calls": 0, "bytes": 0})
-        b = before.get(name, {"calls": 0, "bytes": 0})
-        diff = {"calls": a["calls"] - b["calls"], "bytes": a["bytes"] - b["bytes"]}
-        if diff["calls"] or diff["bytes"]:
+        a, b = after.get(name, {}), before.get(name, {})
+        diff = {key: a.get(key, 0) - b.get(key, 0) for key in list(a) + [k for k in b if k not in a]}
+        if any(diff.values()):
             out[name] = diff
     return out

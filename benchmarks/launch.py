@@ -51,8 +51,8 @@ class _Host:
         self.log_path = log_path
         self.log = open(log_path, "w")
         # Each trial sets MASTER_PORT. Torch's default thread count, as in the committed measurements.
-        child_env = rank_env(rank, world_size, None, cpu=device == "cpu", share_cores=False,
-                             base={**os.environ, **env})
+        base = {**os.environ, **env}
+        child_env = rank_env(rank, world_size, None, cpu=device == "cpu", share_cores=False, base=base)
         child_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), child_env.get("PYTHONPATH")]))
         if device != "cpu":
             # Let the host ask whether CUDA exists without creating a CUDA context its forked trials inherit.
@@ -129,6 +129,8 @@ class RankPool:
         self.hosts: List[_Host] = []
         #: {op: reason} for the preloaded ops that could not be built on this machine.
         self.preload_errors: dict = {}
+        #: The DeepSpeed each rank host imported: ``[{"version": ..., "file": ...}]`` by rank.
+        self.deepspeed: List[dict] = []
         self._ids = itertools.count()
 
     def __enter__(self) -> "RankPool":
@@ -149,6 +151,7 @@ class RankPool:
             if not message.get("ready"):
                 raise LaunchError(f"rank {host.rank} host sent {message} instead of ready")
             self.preload_errors.update(message.get("preload_errors") or {})
+            self.deepspeed.append(message.get("deepspeed") or {})
 
     def close(self) -> None:
         for host in self.hosts:

@@ -348,6 +348,15 @@ def _series_line(ds: dict) -> str:
     return text
 
 
+def machine_lines(machine: dict) -> List[str]:
+    """The machine and the Python and torch versions (``benchmarks.machine.describe()``), as list items."""
+    return [
+        f"- Machine: {machine['cpu']}, {machine['cpu_count']} cores, {machine['memory_gib']} GiB; {machine['os']}" +
+        (f"; GPUs: {', '.join(machine['cuda_devices'])}" if machine.get("cuda_devices") else "; no GPU"),
+        f"- Python {machine['python']}, torch {machine['torch']}",
+    ]
+
+
 def render(data: dict, analysis_path: Optional[Path] = None) -> str:
     """The Markdown page; ``analysis_path`` (default: none) adds the hand-written analysis."""
     machine = data["machine"]
@@ -373,13 +382,12 @@ def render(data: dict, analysis_path: Optional[Path] = None) -> str:
         (f" The `gradient_divide_factor` tables were re-measured by `python -m benchmarks factor` "
          f"({data['factor_finished']})." if data.get("factor_finished") else ""),
         "",
+        "What the series' bug-fix PRs cost in managed mode, pristine 0.19.3 against 0.19.3 with them, has a page of "
+        "its own: [benchmarks-fixcost.md](benchmarks-fixcost.md) (`python -m benchmarks fixcost`).",
+        "",
         "## Machine and software",
         "",
-        f"- Machine: {machine['cpu']}, {machine['cpu_count']} cores, {machine['memory_gib']} GiB; {machine['os']}" +
-        (f"; GPUs: {', '.join(machine['cuda_devices'])}" if machine.get("cuda_devices") else "; no GPU"),
-        f"- Python {machine['python']}, torch {machine['torch']}",
-        f"- {_series_line(machine['deepspeed'])}",
-    ]
+    ] + machine_lines(machine) + [f"- {_series_line(machine['deepspeed'])}"]
     if data.get("quick"):
         lines.append("- **Quick mode** (`--quick`): a tiny model and few rounds; a smoke test, not a measurement.")
     lines += ["", "## Summary", ""]

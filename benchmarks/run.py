@@ -97,7 +97,9 @@ def trial_spec(plan: Plan,
                *,
                mode: Optional[str] = None,
                timing_modes: Optional[List[str]] = None,
-               control_of: str = configs.MANAGED) -> dict:
+               control_of: str = configs.MANAGED,
+               extra: Optional[dict] = None) -> dict:
+    """One trial's spec (see benchmarks.trial); ``extra``: a mode trial's options (``timed_methods``, ``lockstep``)."""
     spec = {
         "device": plan.device,
         "backend": plan.backend,
@@ -112,13 +114,23 @@ def trial_spec(plan: Plan,
         "nvme_path": str(nvme_path) if nvme_path else None,
     }
     if timing_modes is None:
-        spec.update(kind="mode", mode=mode, measure_steps=plan.steps_for(n_micro))
+        spec.update(kind="mode", mode=mode, measure_steps=plan.steps_for(n_micro), **(extra or {}))
     else:
         spec.update(kind="timing",
                     modes=timing_modes,
                     control_of=control_of,
                     measure_steps=plan.timing_steps_for(n_micro))
     return spec
+
+
+def cell_head(configuration: configs.Configuration, n_micro: int) -> dict:
+    """What names a cell (configuration × N) in the results."""
+    return {
+        "configuration": configuration.name,
+        "stage": configuration.stage,
+        "offload": configuration.offload,
+        "n_micro": n_micro,
+    }
 
 
 def combine_ranks(results: List[dict]) -> dict:
@@ -343,10 +355,7 @@ def measure_device(plan: Plan, log: Callable[[str], None] = print) -> dict:
             refusal: Optional[str] = None
             for n_micro in plan.micro_counts:
                 cell = {
-                    "configuration": configuration.name,
-                    "stage": configuration.stage,
-                    "offload": configuration.offload,
-                    "n_micro": n_micro,
+                    **cell_head(configuration, n_micro),
                     "modes": {
                         mode: {
                             "status": "pending",

@@ -6,7 +6,9 @@ process group; the caller gives a JSON-able spec and gets a JSON-able result who
 * ``mode`` (:func:`run_mode_trial`): one engine, one mode. It counts the collectives of every
   logical step and measures the peak memory of the measured steps, which therefore belong to that
   mode alone (with the allocator set so that RSS tracks live memory: see
-  :func:`benchmarks.memory.stabilize_allocator`).
+  :func:`benchmarks.memory.stabilize_allocator`). With ``timed_methods`` in the spec it also times those
+  methods per step (:mod:`benchmarks.method_timer`); with ``lockstep`` it takes each step only in its turn, in
+  step with trials in other processes (:mod:`benchmarks.lockstep`).
 * ``timing`` (:func:`run_timing_trial`): one engine per mode in the same processes, driven step by
   step in rotating order (a, b, c, a′; then b, c, a′, a; ...), so each ratio compares neighbouring
   steps run under the same load. a′ is a second managed engine: a′/a is the ratio that measurement
@@ -23,7 +25,9 @@ from datetime import timedelta
 
 from benchmarks import configs
 from benchmarks.comm_counter import CommCounter, subtract
+from benchmarks.lockstep import Turns
 from benchmarks.memory import PeakMemory, current_rss_bytes, stabilize_allocator
+from benchmarks.method_timer import MethodTimer
 from benchmarks.model import ModelSize, build_model, micro_batches, parameter_count
 
 #: The control engine of a timing trial: the mode named by the spec's ``control_of`` (default: managed) again.
@@ -127,33 +131,44 @@ def run_mode_trial(spec: dict) -> dict:
     gc.collect()
     baseline_rss = current_rss_bytes()  # before the model and engine exist
     counter = CommCounter().install()
+    methods = MethodTimer(spec.get("timed_methods") or ()).install()
     mode = spec["mode"]
     engine, n_params = rank.build_engine(mode, spec.get("nvme_path"))
     warm = spec["warmup_steps"]
     batches = rank.batches(warm + spec["measure_steps"], engine.device)
 
-    losses, times, cpu_times, counts = [], [], [], []
+    losses, times, cpu_times, counts, method_times = [], [], [], [], []
     memory = PeakMemory(rank.device)
+    lockstep = spec.get("lockstep")
+    turns = Turns(lockstep, rank.rank, spec["timeout_s"])
     for step, row in enumerate(batches):
+        turns.wait()
         if step == warm:
             gc.collect()
             rank.synchronize()
             memory.start()
         with counter.paused():
             dist.barrier()
-        before = counter.snapshot()
+        before, methods_before = counter.snapshot(), methods.snapshot()
         loss, wall, cpu = rank.timed_step(mode, engine, row)
         counts.append(subtract(counter.snapshot(), before))
+        method_times.append(subtract(methods.snapshot(), methods_before))
         losses.append(loss)
         times.append(wall)
         cpu_times.append(cpu)
+        if lockstep:
+            with counter.paused():
+                dist.barrier()  # every rank has finished the step before the next trial's turn
+        turns.done()
+    turns.close()
     peak = memory.stop()
     peak["baseline_rss_bytes"] = baseline_rss
     peak["allocator_fixed_threshold"] = allocator_fixed
     with counter.paused():
         dist.barrier()
     counter.uninstall()
-    return {
+    methods.uninstall()
+    result = {
         "status": "ok",
         "rank": rank.rank,
         "world_size": rank.world,
@@ -167,6 +182,9 @@ def run_mode_trial(spec: dict) -> dict:
         "global_steps": engine.global_steps,
         "memory": peak,
     }
+    if methods.targets:
+        result.update(method_times=method_times[warm:], methods_absent=methods.absent)
+    return result
 
 
 def run_timing_trial(spec: dict) -> dict:

@@ -120,7 +120,8 @@ def serve(preload) -> None:
     import benchmarks.trial  # noqa: F401
     _import_trial_modules()
     errors = _preload(preload)
-    _reply({"ready": True, "pid": os.getpid(), "preload_errors": errors}, replies)
+    imported = {"version": deepspeed.__version__, "file": deepspeed.__file__}  # the launcher checks which build
+    _reply({"ready": True, "pid": os.getpid(), "preload_errors": errors, "deepspeed": imported}, replies)
 
     for line in sys.stdin:
         request = json.loads(line)
