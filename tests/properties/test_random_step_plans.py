@@ -174,17 +174,10 @@ def check_plan(spec: dict, plan: list, save_dir: str) -> None:
 # ----------------------------------------------------------------------------------------------
 
 CONFIGURATIONS = [(0, False), (1, False), (1, True), (2, False), (2, True), (3, False), (3, True)]
-#: Plans leave parameters without a gradient in some micro-batches or whole steps. DeepSpeed 0.19.8 (like 0.19.3
-#: before the 0.19.3 series' bug-fix PRs) trains such parameters on stale gradients with ZeRO-3 and with
-#: optimizer offload, in managed mode too, so those configurations hold only on the 0.19.3 series.
-NEEDS_FIXES = pytest.mark.base("0.19.3", reason="needs the 0.19.3 series' fix-* PRs (stale gradients of unused "
-                               "parameters with ZeRO-3 or optimizer offload)")
 
 
-@pytest.mark.parametrize("stage, offload", [
-    pytest.param(s, o, id=f"zero{s}{'-offload' if o else ''}", marks=[NEEDS_FIXES] if o or s == 3 else [])
-    for s, o in CONFIGURATIONS
-])
+@pytest.mark.parametrize("stage, offload",
+                         [pytest.param(s, o, id=f"zero{s}{'-offload' if o else ''}") for s, o in CONFIGURATIONS])
 def test_random_step_plans_match_the_reference(stage, offload, tmp_path_factory):
 
     fp32_clipped = {"stage": stage, "offload": offload, "dtype": "fp32", "clip": True}

@@ -138,8 +138,6 @@ def _unused_parameters_get_no_stale_gradient(path_name: str, n: int, reference: 
         assert actual.scalars["grad_norm"] == pytest.approx(expected.scalars["grad_norm"], rel=1e-6)
 
 
-@pytest.mark.base("0.19.3", reason="needs the 0.19.3 series' fix-* PRs: DeepSpeed 0.19.8 has these bugs in "
-                   "managed mode too")
 @pytest.mark.world_size(1, 2)
 @pytest.mark.parametrize("n", [1, 3])
 @pytest.mark.parametrize("stage", [1, 2])
@@ -147,8 +145,6 @@ def test_unused_parameters_get_no_stale_gradient(dist, stage, n):
     dist.run(_unused_parameters_get_no_stale_gradient, f"zero{stage}-offload-branchy", n)
 
 
-@pytest.mark.base("0.19.3", reason="needs the 0.19.3 series' fix-* PRs: DeepSpeed 0.19.8 has these bugs in "
-                   "managed mode too")
 @pytest.mark.world_size(1, 2)
 @pytest.mark.parametrize("n", [1, 3])
 def test_unused_parameters_get_no_stale_gradient_zero3(dist, n):
@@ -344,8 +340,6 @@ def _unmanaged_unused_parameters_match_pytorch(stage: int, offload: bool) -> Non
     assert_params_close(actual, expected, f"ZeRO-{stage}, plan {plan}", rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.base("0.19.3", reason="needs the 0.19.3 series' fix-* PRs: DeepSpeed 0.19.8 has these bugs in "
-                   "managed mode too")
 @pytest.mark.world_size(2)
 @pytest.mark.parametrize("stage, offload", [(2, True), (3, False), (3, True)],
                          ids=["zero2-offload", "zero3", "zero3-offload"])
