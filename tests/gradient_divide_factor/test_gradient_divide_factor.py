@@ -69,7 +69,7 @@ def test_a_factor_wrong_on_one_rank_raises_on_every_rank(dist, path_name):
 @pytest.mark.world_size(2)
 @pytest.mark.parametrize("path_name", ["fp32-deepspeed-optimizer", "zero3-fp32"])
 def test_an_unreadable_factor_on_one_rank_raises_on_every_rank(dist, path_name):
-    messages = dist.run(scenarios.unreadable_factor_on_one_rank, path_name)
+    messages = dist.run(scenarios.factor_errors_on_one_rank, path_name, "unreadable")
     assert "meta" in messages[0][0] and "complex" in messages[0][1].lower(), messages[0]
     assert all("invalid on another" in m for m in messages[1]), messages[1]
 

@@ -491,38 +491,30 @@ def gas_scaling_mismatch_warnings(path_name: str) -> list:
         logger.warning = original
 
 
-def factor_errors_on_one_rank(path_name: str) -> list:
-    """A factor that only one rank gets wrong (bad shape, not positive, missing): every rank raises, none hangs
-    in a collective its peers never join."""
+def _wrong_factors(kind: str) -> list:
+    """(factor, message pattern) pairs one rank passes while its peers pass 4.0; built on the rank (a meta tensor
+    does not travel)."""
+    if kind == "unreadable":  # a 0-dim factor that is no real number: .item() raises, or float() does
+        return [(torch.tensor(2.0, device="meta"), "gradient_divide_factor"),
+                (torch.tensor(2.0 + 0j), "gradient_divide_factor")]
+    return [(torch.tensor([2.0, 2.0]), "gradient_divide_factor"), (-1.0, "gradient_divide_factor"),
+            (None, "on every data-parallel rank or on none")]
+
+
+def factor_errors_on_one_rank(path_name: str, kind: str = "invalid") -> list:
+    """A factor that only one rank gets wrong (bad shape, not positive, missing; or, with ``kind="unreadable"``,
+    a 0-dim tensor whose value is no real number): every rank raises, none hangs in a collective its peers never
+    join, and the engine is still usable."""
     engine = PATHS[path_name].initialize(gas=1, managed=False)
     rank = ds_comm.get_rank()
     messages = []
-    for bad, match in ((torch.tensor([2.0, 2.0]), "gradient_divide_factor"), (-1.0, "gradient_divide_factor"),
-                       (None, "on every data-parallel rank or on none")):
+    for bad, match in _wrong_factors(kind):
         engine.backward(forward_loss(engine, 0, 0))
         with pytest.raises(ValueError, match=match) as error:
             engine.step(gradient_divide_factor=bad if rank == 0 else 4.0)
         messages.append(str(error.value))
         engine.zero_grad()
     engine.backward(forward_loss(engine, 0, 0))
-    engine.step(gradient_divide_factor=4.0)  # the engine is still usable
-    destroy(engine)
-    return messages
-
-
-def unreadable_factor_on_one_rank(path_name: str) -> list:
-    """A 0-dim factor whose value cannot be read as a real number on one rank (a meta tensor: ``.item()`` raises; a
-    complex one): every rank raises the same ValueError, before any reduction, and none hangs."""
-    engine = PATHS[path_name].initialize(gas=1, managed=False)
-    rank = ds_comm.get_rank()
-    messages = []
-    for bad in (torch.tensor(2.0, device="meta"), torch.tensor(2.0 + 0j)):
-        engine.backward(forward_loss(engine, 0, 0))
-        with pytest.raises(ValueError, match="gradient_divide_factor") as error:
-            engine.step(gradient_divide_factor=bad if rank == 0 else 4.0)
-        messages.append(str(error.value))
-        engine.zero_grad()
-    engine.backward(forward_loss(engine, 0, 0))
-    engine.step(gradient_divide_factor=4.0)  # the engine is still usable
+    engine.step(gradient_divide_factor=4.0)
     destroy(engine)
     return messages
