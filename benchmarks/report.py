@@ -28,7 +28,7 @@ TIME_RATIO_TARGET = 1.02
 LOSS_TOLERANCE = 0.0
 MIB = 2**20
 #: Unmanaged step() checks that the ranks agree (backward counts, no_sync(), gradient_divide_factor) in one
-#: all-reduce of at most 10 float64 values; managed mode has no such check.
+#: all-reduce of at most 10 int64 values; managed mode has no such check.
 STEP_CHECK_BYTES = 80
 
 
