@@ -11,17 +11,26 @@ from __future__ import annotations
 import collections
 import json
 import math
+import os
 import random
 import re
+import shutil
 import threading
+import time
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, Callable
+from urllib.parse import parse_qsl
 
 import numpy as np
 
+from .checkpoint_files import directory_size, parse_age_recipients
+from .checkpoint_store import CheckpointStore
+from .download_urls import PREFIX as DOWNLOADS  # signed URLs carry their own authorisation: no API key there
 from .model import BASE_MODELS, BaseModelSpec, LoraSpec
+from .responses import Response, error_response, json_response
+from .rest_api import RunsApi, parse_ttl
 from .sampling import SampleResult, SnapshotRef, encode_sample_response, parse_sample, sample_response_json
 from .scheduler import FutureStore, Scheduler
 from .wire import (PROTO_CONTENT_TYPE, FwdBwdRequest, FwdBwdResult, UserError, check_against_model,
@@ -33,21 +42,6 @@ CHECKPOINT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
 @dataclass(frozen=True)
-class Response:
-    status: int
-    body: bytes
-    content_type: str = "application/json"
-
-
-def json_response(value: Any, status: int = 200) -> Response:
-    return Response(status, json.dumps(value).encode())
-
-
-def error_response(status: int, message: str) -> Response:
-    return json_response({"error": message, "category": "user" if status < 500 else "server"}, status)
-
-
-@dataclass(frozen=True)
 class ModelRecord:
     """What the protocol layer knows about a training model (the weights live on the ranks)."""
 
@@ -55,6 +49,8 @@ class ModelRecord:
     session_id: str
     base_model: str
     lora: LoraSpec | None
+    #: What the client attached at creation; listed with the training run.
+    user_metadata: dict[str, Any] | None = None
 
     @property
     def spec(self) -> BaseModelSpec:
@@ -143,6 +139,10 @@ class TinkerApi:
         self._samplers: dict[str, SamplingSession] = {}
         self._samples: dict[tuple[str, int], Response] = {}  # (sampling session, seq_id) -> first reply
         self._rng = np.random.default_rng()
+        self.store = CheckpointStore(settings.checkpoint_root)
+        self.runs = RunsApi(self.store)
+        self._touched: dict[str, float] = {}  # model_id -> when its run's last_request_time was last written
+        self._last_reap = 0.0
         self._posts: dict[str, Callable[[dict[str, str], bytes], Response]] = {
             "client/config": self._client_config,
             "client/dynamic_config": lambda h, b: json_response({}),
@@ -157,6 +157,7 @@ class TinkerApi:
             "save_weights": self._save_weights,
             "load_weights": self._load_weights,
             "save_weights_for_sampler": self._save_weights_for_sampler,
+            "save_weights_external": self._save_weights_external,
             "create_sampling_session": self._create_sampling_session,
             "asample": self._asample,
             "retrieve_future": self._retrieve_future,
@@ -166,12 +167,17 @@ class TinkerApi:
 
     def handle(self, method: str, path: str, headers: dict[str, str], body: bytes) -> Response:
         """Route one request; headers are keyed in lower case."""
+        path, _, query_string = path.partition("?")
+        if method == "GET" and path.startswith(DOWNLOADS):  # signed URLs carry their own authorisation
+            return self.runs.serve_file(path[len(DOWNLOADS):])
         if not headers.get("x-api-key", "").startswith("tml-"):
             return error_response(401, "an API key starting with 'tml-' is required (X-API-Key)")
-        path = path.split("?", 1)[0]
         if not path.startswith(API):
             return error_response(404, f"no such endpoint {path}")
         route = path[len(API):]
+        rest = self.runs.handle(method, route, dict(parse_qsl(query_string)), headers, body)
+        if rest is not None:
+            return rest
         if method == "GET":
             return self._get(route)
         if method != "POST":
@@ -254,7 +260,9 @@ class TinkerApi:
         optimizer = (body.get("optimizer_config") or {}).get("type", "adamw")
         if optimizer != "adamw":
             raise UserError(f"unsupported optimizer {optimizer!r}: this server runs AdamW")
-        return ModelRecord(f"{session_id}:train:{int(body.get('model_seq_id', 0))}", session_id, base_model, lora)
+        metadata = body.get("user_metadata")
+        return ModelRecord(f"{session_id}:train:{int(body.get('model_seq_id', 0))}", session_id, base_model, lora,
+                           dict(metadata) if isinstance(metadata, dict) and metadata else None)
 
     def _open(self, record: ModelRecord, jobs: list[tuple[str, Any]]) -> Response:
         """Make a model addressable and queue the jobs that bring it up; the client waits on the last.
@@ -338,6 +346,7 @@ class TinkerApi:
             return self._failed_future(str(e))
         if not isinstance(seq_id, int) or seq_id < 1:
             return self._failed_future(f"seq_id must be an integer >= 1, got {seq_id!r}")
+        self._touch(model_id)
         rejection, payload = None, None
         try:
             payload = build(record)
@@ -350,6 +359,15 @@ class TinkerApi:
         except ValueError as e:
             return self._failed_future(str(e))
         return json_response({"request_id": request_id, "model_id": model_id})
+
+    def _touch(self, model_id: str) -> None:
+        """Note the run's last request time (written at most once a second: a step can be many requests)."""
+        now = time.monotonic()
+        with self._lock:
+            if now - self._touched.get(model_id, -1.0) < 1.0:
+                return
+            self._touched[model_id] = now
+        self.store.touch_run(model_id)
 
     def _forward_backward(self, headers: dict[str, str], body: bytes, forward_only: bool = False) -> Response:
         try:
@@ -383,18 +401,32 @@ class TinkerApi:
             name = request.get("path") or f"step-{request.get('seq_id')}"
             if not CHECKPOINT_NAME.match(str(name)):
                 raise UserError(f"checkpoint name {name!r} must match {CHECKPOINT_NAME.pattern}")
-            return {"name": str(name), "overwrite": bool(request.get("overwrite", False)),
-                    "dir": str(checkpoint_dir(self.settings.checkpoint_root, model_id, str(name))),
+            directory = checkpoint_dir(self.settings.checkpoint_root, model_id, str(name))
+            return {"name": str(name), "overwrite": bool(request.get("overwrite", False)), "dir": str(directory),
                     "path": f"tinker://{model_id}/weights/{name}",
-                    "meta": {"base_model": record.base_model, "lora": record.lora.__dict__ if record.lora else None}}
+                    "meta": {"base_model": record.base_model, "lora": record.lora.__dict__ if record.lora else None},
+                    "checkpoint": self._checkpoint_record(request, model_id, f"weights/{name}", directory)}
 
         return self._sequenced(model_id, request.get("seq_id"), "save_weights", build)
+
+    def _checkpoint_record(self, request: dict[str, Any], model_id: str, checkpoint_id: str,
+                           directory: Path) -> dict[str, Any]:
+        """What ``job_finished`` records once the save is complete: TTL and metadata, checked now."""
+        metadata = request.get("user_metadata")
+        if metadata is not None and not isinstance(metadata, dict):
+            raise UserError("user_metadata must be an object")
+        return {"run_id": model_id, "checkpoint_id": checkpoint_id, "dir": str(directory),
+                "ttl_seconds": parse_ttl(request.get("ttl_seconds")), "user_metadata": metadata or None}
+
+    def _listed(self, model_id: str, checkpoint_id: str) -> bool:
+        """Whether a checkpoint exists: recorded and not expired (what is not listed cannot be loaded)."""
+        return self.store.checkpoint(model_id, checkpoint_id) is not None
 
     def _load_source(self, path: str) -> tuple[Path, dict[str, Any]]:
         source_model, name = parse_tinker_path(path)
         directory = checkpoint_dir(self.settings.checkpoint_root, source_model, name)
         meta_file = directory / "tinker_meta.json"
-        if not meta_file.is_file():
+        if not meta_file.is_file() or not self._listed(source_model, f"weights/{name}"):
             raise UserError(f"no checkpoint at {path}")
         return directory, json.loads(meta_file.read_text())
 
@@ -441,7 +473,9 @@ class TinkerApi:
                 path = f"tinker://{model_id}/sampler_weights/{name}"
                 return {"snapshot_id": path, "dir": str(directory), "meta": {"base_model": record.base_model,
                                                                               "lora": lora},
-                        "reply": {"path": path, "type": "save_weights_for_sampler"}}
+                        "reply": {"path": path, "type": "save_weights_for_sampler"},
+                        "checkpoint": self._checkpoint_record(request, model_id, f"sampler_weights/{name}",
+                                                              directory)}
             seq = request.get("sampling_session_seq_id")
             if not isinstance(seq, int):
                 raise UserError("save_weights_for_sampler needs a path (name) or a sampling_session_seq_id")
@@ -452,6 +486,58 @@ class TinkerApi:
                     "reply": {"sampling_session_id": session_id, "type": "save_weights_for_sampler"}}
 
         return self._sequenced(model_id, request.get("seq_id"), "save_sampler", build)
+
+    def _save_weights_external(self, headers: dict[str, str], body: bytes) -> Response:
+        """Export the training weights in Hugging Face formats (a PEFT adapter for LoRA, a model directory for
+        full fine-tuning), optionally age-encrypted, for download through signed URLs."""
+        request = parse_json(body)
+        model_id = str(request.get("model_id", ""))
+
+        def build(record: ModelRecord) -> dict[str, Any]:
+            name = str(request.get("path") or "")
+            if not CHECKPOINT_NAME.match(name):
+                raise UserError(f"external weights name {name!r} must match {CHECKPOINT_NAME.pattern}")
+            recipients = request.get("age_encryption_recipients")
+            if recipients is not None:
+                if not isinstance(recipients, list) or not 1 <= len(recipients) <= 10:
+                    raise UserError("age_encryption_recipients must be a list of 1 to 10 recipients")
+                try:
+                    parse_age_recipients([str(r) for r in recipients])
+                except ValueError as e:
+                    raise UserError(str(e)) from None
+            directory = checkpoint_dir(self.settings.checkpoint_root, model_id, name, "external_weights")
+            path = f"tinker://{model_id}/external_weights/{name}"
+            tokenizer = self.tokenizer_id(record.base_model)
+            return {"dir": str(directory), "served_name": record.base_model, "tokenizer_dir": tokenizer,
+                    "recipients": [str(r) for r in recipients] if recipients else None,
+                    "reply": {"path": path, "type": "save_weights_external"},
+                    "checkpoint": self._checkpoint_record(request, model_id, f"external_weights/{name}", directory)}
+
+        return self._sequenced(model_id, request.get("seq_id"), "save_external", build)
+
+    # ------------------------------------------------------------ after jobs
+
+    def job_finished(self, kind: str, model_id: str, payload: Any, ok: bool) -> None:
+        """Rank 0's job loop, after each job: record new training runs and complete checkpoints."""
+        if not ok:
+            return
+        if kind == "create":
+            record: ModelRecord = payload
+            self.store.add_run(record.model_id, record.base_model, record.lora.__dict__ if record.lora else None,
+                               record.user_metadata)
+        elif isinstance(payload, dict) and "checkpoint" in payload:
+            info = payload["checkpoint"]
+            directory = Path(info["dir"])
+            self.store.add_checkpoint(info["run_id"], info["checkpoint_id"], directory, directory_size(directory),
+                                      info["ttl_seconds"], info["user_metadata"])
+
+    def reap_expired(self, every_s: float = 1.0) -> list[str]:
+        """Rank 0's job loop, between jobs (never during a save): delete expired checkpoints."""
+        now = time.monotonic()
+        if now - self._last_reap < every_s:
+            return []
+        self._last_reap = now
+        return self.store.reap()
 
     def _register_sampler(self, session: SamplingSession) -> None:
         with self._lock:
@@ -467,14 +553,13 @@ class TinkerApi:
         kind = path.split("/")[3]
         directory = checkpoint_dir(self.settings.checkpoint_root, model_id, name, kind)
         meta_file = directory / ("tinker_sampler_meta.json" if kind == "sampler_weights" else "tinker_meta.json")
-        weights = directory / ("sampler_weights.pt" if kind == "sampler_weights" else "model_weights.pt")
-        if not meta_file.is_file():
+        if not meta_file.is_file() or not self._listed(model_id, f"{kind}/{name}"):
             return "", SnapshotRef(path, "", error=f"unknown sampler path {path}: no weights saved there")
         meta = json.loads(meta_file.read_text())
         if meta.get("base_model") not in BASE_MODELS:
             return "", SnapshotRef(path, "", error=f"{path} is for base model {meta.get('base_model')!r}, which this "
                                    "server does not serve")
-        return meta["base_model"], SnapshotRef(path, meta["base_model"], meta.get("lora"), str(weights))
+        return meta["base_model"], SnapshotRef(path, meta["base_model"], meta.get("lora"), str(directory))
 
     def _snapshot_for(self, model_path: Any, base_model: Any) -> tuple[str, SnapshotRef]:
         if model_path:
@@ -571,13 +656,24 @@ class _Handler(BaseHTTPRequestHandler):
             response = self.api.handle(self.command, self.path, headers, body)
         except Exception as e:  # a bug, not bad input: report it and keep serving
             response = error_response(500, f"{type(e).__name__}: {e}")
+        stream = None
+        if response.file is not None:
+            try:
+                stream = response.file.open("rb")
+            except OSError:  # deleted since the handler looked
+                response = error_response(404, "the file is gone")
         self.send_response(response.status)
         self.send_header("Content-Type", response.content_type)
-        self.send_header("Content-Length", str(len(response.body)))
+        size = os.fstat(stream.fileno()).st_size if stream is not None else len(response.body)
+        self.send_header("Content-Length", str(size))
         if response.status >= 400:
             self.send_header("x-should-retry", "false")
         self.end_headers()
-        self.wfile.write(response.body)
+        if stream is None:
+            self.wfile.write(response.body)
+            return
+        with stream:
+            shutil.copyfileobj(stream, self.wfile, 1 << 20)
 
     do_GET = do_POST = do_PUT = do_DELETE = _serve
 

@@ -23,11 +23,12 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from .checkpoint_files import read_weights
 from .model import BASE_MODELS, LoraSpec, build_model, token_logprobs
 from .sampling import SampledSequence, SampleJob, SampleResult, SnapshotRef
 from .wire import UserError
 
-SAMPLER_WEIGHTS_FILE = "sampler_weights.pt"
+#: Beside the weights (``checkpoint_files``) of a named snapshot: its base model and LoRA config.
 SAMPLER_META_FILE = "tinker_sampler_meta.json"
 #: Unnamed snapshots (``save_weights_and_get_sampling_client``) kept in memory on every rank.
 MAX_SNAPSHOTS = 8
@@ -79,13 +80,6 @@ class SamplerPool:
         while len(self._snapshots) > MAX_SNAPSHOTS:
             self._snapshots.popitem(last=False)
 
-    @staticmethod
-    def save(directory: Path, weights: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
-        """Write a snapshot for ``create_sampling_client(path)``, also after a restart."""
-        directory.mkdir(parents=True, exist_ok=True)
-        torch.save(weights, directory / SAMPLER_WEIGHTS_FILE)
-        (directory / SAMPLER_META_FILE).write_text(json.dumps(meta, indent=1))  # last: marks it complete
-
     def _weights(self, ref: SnapshotRef) -> dict[str, torch.Tensor]:
         if ref.snapshot_id in self._snapshots:
             self._snapshots.move_to_end(ref.snapshot_id)
@@ -97,8 +91,8 @@ class SamplerPool:
                             f"last {MAX_SNAPSHOTS} unnamed snapshots (save_weights_for_sampler(name) keeps them "
                             "on disk)")
         try:
-            weights = torch.load(ref.file, map_location="cpu", weights_only=True)
-        except (OSError, RuntimeError) as e:
+            weights = read_weights(Path(ref.file))
+        except (OSError, RuntimeError, ValueError) as e:  # deleted, or not a checkpoint this server wrote
             raise UserError(f"cannot read sampler weights {ref.file}: {e}") from None
         self.keep(ref.snapshot_id, weights)
         return weights

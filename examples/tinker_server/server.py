@@ -75,7 +75,8 @@ def _run_safely(worker: Worker, kind: str, model_id: str, payload: Any) -> tuple
         return "server", f"{type(e).__name__}: {e}"
 
 
-def _execute(worker: Worker, job: Job, futures: FutureStore) -> None:
+def _execute(worker: Worker, job: Job, futures: FutureStore) -> bool:
+    """Run a job on every rank; whether every rank succeeded."""
     command: list[Any] = [(job.kind, job.model_id, job.payload)]
     dist.broadcast_object_list(command, src=0)
     parts: list[Any] = [None] * worker.world_size
@@ -83,8 +84,9 @@ def _execute(worker: Worker, job: Job, futures: FutureStore) -> None:
     failures = [part for part in parts if part[0] != "ok"]
     if failures:
         futures.fail(job.request_id, failures[0][1], failures[0][0])
-    else:
-        futures.resolve(job.request_id, merge(job.kind, [part[1] for part in parts]))
+        return False
+    futures.resolve(job.request_id, merge(job.kind, [part[1] for part in parts]))
+    return True
 
 
 def _drive(worker: Worker, options: RankOptions) -> None:
@@ -107,7 +109,9 @@ def _drive(worker: Worker, options: RankOptions) -> None:
         tmp.write_text(json.dumps({"base_url": base_url, "pid": os.getpid()}))
         tmp.replace(options.ready_file)
     try:
+        api.reap_expired(every_s=0)  # what expired while the server was down
         while not scheduler.stopped:
+            api.reap_expired()  # here, between jobs, a save never has its directory deleted under it
             job = scheduler.next_job(timeout=1.0)
             if job is None:
                 continue
@@ -117,10 +121,12 @@ def _drive(worker: Worker, options: RankOptions) -> None:
                 except UserError as e:
                     futures.fail(job.request_id, str(e), "user")
                     continue
-            _execute(worker, job, futures)
+                api.store.forget(job.payload["checkpoint"]["run_id"], job.payload["checkpoint"]["checkpoint_id"])
+            api.job_finished(job.kind, job.model_id, job.payload, _execute(worker, job, futures))
     finally:
         dist.broadcast_object_list([None], src=0)
         http.shutdown()
+        api.store.close()
         print("[tinker-server] stopped", flush=True)
 
 

@@ -8,33 +8,33 @@ ends in exactly one ``engine.backward(loss_sum, scale_wrt_gas=False)`` per rank;
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import inspect
 import json
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import torch
 
+from .checkpoint_files import copy_tokenizer, encrypt_files, write_weights
 from .losses import LossInputs, elementwise_loss
 from .model import build_model, token_logprobs
-from .sampler import SamplerPool, capture_weights, merge_samples
+from .sampler import SAMPLER_META_FILE, SamplerPool, capture_weights, merge_samples
 from .sampling import SampleJob
 from .wire import Datum, FwdBwdRequest, UserError
 
 CHECKPOINT_TAG = "state"
-WEIGHTS_FILE = "model_weights.pt"
 META_FILE = "tinker_meta.json"
 
 
 def ds_config(zero_stage: int) -> dict[str, Any]:
     """Unmanaged mode, fp32, torch's AdamW; hyper-parameters are overwritten before every step."""
     zero: dict[str, Any] = {"stage": zero_stage}
-    if zero_stage == 3:
-        zero["stage3_gather_16bit_weights_on_model_save"] = True  # so save_weights can export
     return {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
@@ -175,6 +175,8 @@ class Worker:
             return self._load(model, payload)
         if kind == "save_sampler":
             return self._save_sampler(model, payload)
+        if kind == "save_external":
+            return self._save_external(model, payload)
         raise RuntimeError(f"unknown command {kind!r}")
 
     def prepare_save(self, model_id: str, job: dict[str, Any]) -> None:
@@ -237,12 +239,16 @@ class Worker:
                             "would drop their gradients: call optim_step first")
 
     def _save(self, model: TrainingModel, job: dict[str, Any]) -> dict[str, Any]:
+        """DeepSpeed's checkpoint (the state to resume from: optimizer, step count) under ``state/``, and the
+        weights as safetensors (``checkpoint_files``) beside it."""
         self._refuse_pending(model, "save_weights")
         directory = Path(job["dir"])
         engine = model.engine
         engine.save_checkpoint(str(directory), tag=CHECKPOINT_TAG, client_state={"tinker_steps": model.steps})
-        engine.save_16bit_model(str(directory), WEIGHTS_FILE)
-        if self.rank == 0:  # written last: its presence marks a complete checkpoint
+        weights = capture_weights(engine, self.zero_stage, trainable_only=model.lora is not None)
+        if self.rank == 0:
+            write_weights(directory, engine.module, weights, job["meta"]["base_model"])
+            # written last: its presence marks a complete checkpoint
             meta = dict(job["meta"], zero_stage=self.zero_stage, world_size=self.world_size, steps=model.steps)
             (directory / META_FILE).write_text(json.dumps(meta, indent=1))
         return {"path": job["path"], "type": "save_weights"}
@@ -263,11 +269,41 @@ class Worker:
         weights = capture_weights(model.engine, self.zero_stage, trainable_only=model.lora is not None)
         self.samplers.keep(job["snapshot_id"], weights)
         if job.get("dir") and self.rank == 0:
-            self.samplers.save(Path(job["dir"]), weights, job["meta"])
+            with replacing(Path(job["dir"])) as directory:
+                write_weights(directory, model.engine.module, weights, job["meta"]["base_model"])
+                (directory / SAMPLER_META_FILE).write_text(json.dumps(job["meta"], indent=1))
+        return job["reply"]
+
+    def _save_external(self, model: TrainingModel, job: dict[str, Any]) -> dict[str, Any]:
+        """The weights in Hugging Face formats for download: a PEFT adapter, or a model directory with its
+        tokenizer; each file age-encrypted to ``<name>.age`` when the client sent recipients."""
+        weights = capture_weights(model.engine, self.zero_stage, trainable_only=model.lora is not None)
+        if self.rank == 0:
+            with replacing(Path(job["dir"])) as directory:
+                write_weights(directory, model.engine.module, weights, job["served_name"])
+                if model.lora is None:
+                    copy_tokenizer(Path(job["tokenizer_dir"]) if job["tokenizer_dir"] else None, directory)
+                if job["recipients"]:
+                    encrypt_files(directory, job["recipients"])
         return job["reply"]
 
     def _sample(self, job: SampleJob) -> dict[str, Any]:
         return self.samplers.sample(job, share(job.num_samples, self.rank, self.world_size), self.rank == 0)
+
+
+@contextlib.contextmanager
+def replacing(directory: Path) -> Iterator[Path]:
+    """Write a directory under a temporary name and swap it in whole, so no reader sees it half written."""
+    staging = directory.with_name(f".{directory.name}.{os.getpid()}.tmp")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    try:
+        yield staging
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    shutil.rmtree(directory, ignore_errors=True)
+    staging.rename(directory)
 
 
 def merge(kind: str, parts: list[Any]) -> Any:
@@ -280,4 +316,3 @@ def merge(kind: str, parts: list[Any]) -> Any:
         pairs = [pair for part in parts for pair in part]
         return FwdBwdResult(tuple(p[0] for p in pairs), tuple(p[1] for p in pairs))
     return parts[0]
-

@@ -18,7 +18,7 @@ import torch
 
 from examples.tinker_server.api import checkpoint_dir, parse_tinker_path
 from examples.tinker_server.model import LoraSpec, build_model, cross_entropy_sum, token_logprobs
-from examples.tinker_server.worker import WEIGHTS_FILE
+from examples.tinker_server.checkpoint_files import read_weights
 
 
 def require(module: str) -> Any:
@@ -204,7 +204,7 @@ class PlainReplay:
 
     def __init__(self, base_model: str, lora: LoraSpec | None) -> None:
         self.model = build_model(base_model, lora)
-        self.initial = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        self.initial = {k: v.detach().clone() for k, v in self.state_dict().items()}
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=1e-3)
         self.optimizer.zero_grad(set_to_none=True)
@@ -247,13 +247,15 @@ class PlainReplay:
         self.optimizer.zero_grad(set_to_none=True)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach() for k, v in self.model.state_dict().items()}
+        """The trainable weights (what a checkpoint holds: the adapters for LoRA, everything otherwise)."""
+        return {k: v.detach() for k, v in self.model.named_parameters() if v.requires_grad}
 
 
 def saved_weights(checkpoint_root: Path, tinker_path: str) -> dict[str, torch.Tensor]:
-    """The consolidated weights a ``save_weights`` wrote next to its DeepSpeed checkpoint."""
+    """The trainable weights a ``save_weights`` wrote as safetensors next to its DeepSpeed checkpoint, under the
+    training module's parameter names."""
     model_id, name = parse_tinker_path(tinker_path)
-    return torch.load(checkpoint_dir(checkpoint_root, model_id, name) / WEIGHTS_FILE, map_location="cpu")
+    return read_weights(checkpoint_dir(checkpoint_root, model_id, name))
 
 
 def max_weight_difference(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> float:
