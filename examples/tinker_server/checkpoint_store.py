@@ -216,4 +216,10 @@ class CheckpointStore:
 
     def _remove(self, row: CheckpointRow) -> None:
         shutil.rmtree(row.directory, ignore_errors=True)
+        layout = row.directory.parent.name == SEGMENTS[row.checkpoint_type]  # <root>/<run>/<segment>/<name>
+        for parent in (row.directory.parent, row.directory.parent.parent) if layout else ():  # once empty
+            try:
+                parent.rmdir()
+            except OSError:  # not empty (or gone): keep it
+                break
         self.forget(row.training_run_id, row.checkpoint_id)

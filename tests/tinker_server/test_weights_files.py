@@ -101,7 +101,8 @@ def test_an_encrypted_export_decrypts_to_the_same_files(tmp_path: Path) -> None:
         Worker(0, 1, 0)._save_external(TrainingModel(SimpleNamespace(module=trained), lora=LoraSpec(2, 3)), {
             "dir": str(tmp_path / name), "served_name": "tiny-llama-byte", "tokenizer_dir": None,
             "recipients": recipients, "reply": {}})
-    assert sorted(p.name for p in (tmp_path / "sealed").iterdir()) == [ADAPTER_CONFIG + ".age", ADAPTER_WEIGHTS + ".age"]
+    sealed = sorted(p.name for p in (tmp_path / "sealed").iterdir())
+    assert sealed == [ADAPTER_CONFIG + ".age", ADAPTER_WEIGHTS + ".age"]
     for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
         pyrage.decrypt_file(str(tmp_path / "sealed" / f"{name}.age"), str(tmp_path / name), [identity])
         assert (tmp_path / name).read_bytes() == (tmp_path / "plain" / name).read_bytes()
