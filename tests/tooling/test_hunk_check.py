@@ -1,0 +1,56 @@
+"""tools/hunk_check.py cuts a PR's diff into hunks and undoes exactly one of them in the file as of the PR."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tools"))
+
+import hunk_check  # noqa: E402
+
+OLD = "".join(f"line {i}\n" for i in range(1, 41))
+NEW = (OLD.replace("line 3\n", "line 3\nadded after 3\n").replace("line 20\n", "changed 20\n").replace(
+    "line 35\nline 36\n", ""))
+
+
+def _diff(tmp_path: Path, old: str | None, new: str, name: str = "deepspeed/mod.py") -> str:
+    repo = tmp_path / "repo"
+    (repo / name).parent.mkdir(parents=True, exist_ok=True)
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false"]
+    subprocess.run([*git, "init", "-q"], cwd=repo, check=True)
+    subprocess.run([*git, "commit", "-q", "--allow-empty", "-m", "empty"], cwd=repo, check=True)
+    if old is not None:
+        (repo / name).write_text(old)
+        subprocess.run([*git, "add", "."], cwd=repo, check=True)
+        subprocess.run([*git, "commit", "-q", "-m", "old"], cwd=repo, check=True)
+    (repo / name).write_text(new)
+    subprocess.run([*git, "add", "."], cwd=repo, check=True)
+    subprocess.run([*git, "commit", "-q", "-m", "new"], cwd=repo, check=True)
+    return hunk_check.git(repo, "diff", "HEAD~1", "HEAD")
+
+
+def test_each_hunk_undone_alone(tmp_path):
+    hunks = hunk_check.parse_diff("pr", _diff(tmp_path, OLD, NEW))
+    assert [(h.file, h.index) for h in hunks] == [("deepspeed/mod.py", 1), ("deepspeed/mod.py", 2),
+                                                  ("deepspeed/mod.py", 3)]
+    undone = [h.reverse(NEW) for h in hunks]
+    assert "added after 3" not in undone[0] and "changed 20" in undone[0]
+    assert "changed 20" not in undone[1] and "line 20\n" in undone[1] and "added after 3" in undone[1]
+    assert "line 35\nline 36\n" in undone[2] and "changed 20" in undone[2]
+    text = NEW
+    for hunk in reversed(hunks):
+        text = hunk.reverse(text)
+    assert text == OLD
+    assert hunks[1].first_changes() == ["-line 20", "+changed 20"]
+
+
+def test_a_hunk_that_creates_the_file_deletes_it(tmp_path):
+    hunks = hunk_check.parse_diff("pr", _diff(tmp_path, None, "a = 1\n", "deepspeed/new.py"))
+    assert len(hunks) == 1 and hunks[0].reverse("a = 1\n") is None
+
+
+def test_no_newline_at_end_of_file(tmp_path):
+    old, new = "a\nb\nc", "a\nb\nc\nd\n"
+    hunks = hunk_check.parse_diff("pr", _diff(tmp_path, old, new))
+    assert hunks[0].reverse(new) == old
