@@ -285,7 +285,13 @@ def run_with_timeout(argv: list[str], cwd: Path, env: dict, timeout: float,
     every process it started. Returns (exit code or None on timeout, seconds)."""
     start = time.monotonic()
     with open(log_path, "w") as out:
-        proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(argv,
+                                cwd=cwd,
+                                env=env,
+                                stdout=out,
+                                stderr=subprocess.STDOUT,
+                                start_new_session=True,
+                                preexec_fn=_default_sigint)
         try:
             return proc.wait(timeout=timeout), time.monotonic() - start
         except subprocess.TimeoutExpired:
@@ -304,6 +310,16 @@ def run_with_timeout(argv: list[str], cwd: Path, env: dict, timeout: float,
                 pass
         proc.wait()
         return None, time.monotonic() - start
+
+
+def _default_sigint() -> None:
+    """In the child: SIGINT interrupts (a job started in the background inherits it ignored), so that a test run
+    that timed out shuts its rank pools down."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def _interrupt(signum, frame) -> None:  # noqa: ARG001
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def _mapped_shm_files() -> set[str]:
@@ -572,6 +588,7 @@ class Checker:
         ]
         before = shm_files()
         self._clear_stale_locks()
+        self._restore_ninja_state()
         rc, seconds = run_with_timeout(argv, suite.cwd, {
             **suite.env, "HUNK_CHECK_REPORT": str(report)
         }, timeout, self.logs / f"{tag}.log")
@@ -648,6 +665,8 @@ class Checker:
                 records, rc, seconds = self.run_suite(suite, order, tag, True, timeout)
                 failed = [r for r in records if r["outcome"] == "failed"]
                 if rc is None:
+                    self.write_files({hunk.file: new})
+                    self.build_ops()  # a build the kill interrupted, done again now
                     result.outcome = "hang"
                     result.test = failed[0]["nodeid"] if failed else (records[-1]["nodeid"] if records else "")
                     result.message = f"the run was killed after {seconds:.0f} s"
@@ -691,16 +710,71 @@ class Checker:
     def save_results(self) -> None:
         self.results_path.write_text(json.dumps({"results": self.results, "baselines": self.baselines}, indent=1))
 
+    def originals(self) -> dict[str, bytes | None]:
+        """The installed bytes of the files the check writes, kept in ``<work>/site-backup/`` the first time (a run
+        killed before it restored them leaves the next run the backup, not the half-checked files), per install."""
+        backup = self.work / "site-backup"
+        record = next(self.site.parent.glob("deepspeed-*.dist-info/RECORD"), None)
+        stamp = f"{self.installed_version} {record.stat().st_mtime_ns if record else 0} {self.venv}"
+        index = backup / "index.json"
+        saved = json.loads(index.read_text()) if index.exists() else {}
+        if saved.get("stamp") != stamp:
+            if backup.exists():
+                shutil.rmtree(backup)
+            saved = {"stamp": stamp, "files": {}}
+        for name in self.managed:
+            if name not in saved["files"]:
+                path = self.site.parent / name
+                saved["files"][name] = path.exists()
+                if path.exists():
+                    (backup / name).parent.mkdir(parents=True, exist_ok=True)
+                    shutil.copyfile(path, backup / name)
+        backup.mkdir(parents=True, exist_ok=True)
+        index.write_text(json.dumps(saved, indent=1))
+        return {name: ((backup / name).read_bytes() if saved["files"][name] else None) for name in self.managed}
+
+    def build_ops(self) -> None:
+        """Build (or find built) the JIT ops once, outside the tests' timeouts; a no-op when they are up to date."""
+        self._clear_stale_locks()
+        rc, seconds = run_with_timeout([str(self.python), str(self.src / "tools" / "build_ops.py")], Path("/tmp"),
+                                       self.env, 3600, self.logs / "build_ops.log")
+        if rc != 0:
+            raise SystemExit(f"error: building DeepSpeed's ops failed; see {self.logs / 'build_ops.log'}")
+        if seconds > 60:
+            log(f"built DeepSpeed's JIT ops in {seconds:.0f} s")
+        # ninja 1.13 can lose an op's .ninja_log when a rank is killed while it checks the op (a failing test's
+        # peers are killed; so is a run that timed out); without it ninja rebuilds the op, minutes inside a test's
+        # timeout. Each run starts with the ninja state of this good build.
+        backup = self.work / "ops-ninja-state"
+        if backup.exists():
+            shutil.rmtree(backup)
+        for op in sorted(Path(self.env["TORCH_EXTENSIONS_DIR"]).glob("*/build.ninja")):
+            for name in (".ninja_log", ".ninja_deps"):
+                if (op.parent / name).exists():
+                    (backup / op.parent.name).mkdir(parents=True, exist_ok=True)
+                    shutil.copyfile(op.parent / name, backup / op.parent.name / name)
+                else:
+                    log(f"warning: {op.parent / name} is missing after building the ops")
+
+    def _restore_ninja_state(self) -> None:
+        backup = self.work / "ops-ninja-state"
+        for saved in backup.glob("*/.ninja_*") if backup.is_dir() else []:
+            target = Path(self.env["TORCH_EXTENSIONS_DIR"]) / saved.parent.name / saved.name
+            if not target.exists() or target.read_bytes() != saved.read_bytes():
+                log(f"restoring {target} (lost by a killed rank)")
+                shutil.copyfile(saved, target)
+
     def main(self) -> int:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, _interrupt)
         self.work.mkdir(parents=True, exist_ok=True)
         self.logs.mkdir(exist_ok=True)
         self.snapshot()
         self.site = self.site_deepspeed()
         self.managed = self.managed_files()
-        original = {
-            name: ((self.site.parent / name).read_bytes() if (self.site.parent / name).exists() else None)
-            for name in self.managed
-        }
+        original = self.originals()
+        self.write_files(original)
+        self.build_ops()
         self.load_results()
         series = self.series()
         wanted = self.args.prs or series
