@@ -295,21 +295,28 @@ def run_with_timeout(argv: list[str], cwd: Path, env: dict, timeout: float,
         try:
             return proc.wait(timeout=timeout), time.monotonic() - start
         except subprocess.TimeoutExpired:
-            pass
-        family = _descendants(proc.pid)
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            pass
-        family += _descendants(proc.pid)
-        for pid in [proc.pid, *family]:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        proc.wait()
+            _stop(proc, grace=30)
+        except BaseException:  # the check itself was interrupted: take the run down with it
+            _stop(proc, grace=5)
+            raise
         return None, time.monotonic() - start
+
+
+def _stop(proc: subprocess.Popen, grace: float) -> None:
+    """Interrupt a run, then kill it and every process it started (ranks run in sessions of their own)."""
+    family = _descendants(proc.pid)
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        pass
+    family += _descendants(proc.pid)
+    for pid in [proc.pid, *family]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait()
 
 
 def _default_sigint() -> None:
@@ -417,7 +424,8 @@ class Checker:
         env["PYTHONDONTWRITEBYTECODE"] = "1"  # the patched files change within a second; no stale .pyc
         env["PYTHONPATH"] = os.pathsep.join(filter(
             None, [str(Path(__file__).resolve().parent), env.get("PYTHONPATH")]))
-        env["PATH"] = f"{self.venv / 'bin'}{os.pathsep}{env.get('PATH', '')}"
+        # PATH stays as it is: tools/test.sh built the ops with the ninja found there, and another ninja (the
+        # virtualenv's pip-installed one) reads its log as missing and rebuilds every op.
         env["VIRTUAL_ENV"] = str(self.venv)
         env.pop("DS_SERIES_UPTO", None)
         return env
