@@ -17,7 +17,7 @@ import re
 import shutil
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, Callable
@@ -33,7 +33,8 @@ from .responses import Response, error_response, json_response
 from .rest_api import RunsApi, parse_ttl
 from .sampling import SampleResult, SnapshotRef, encode_sample_response, parse_sample, sample_response_json
 from .scheduler import FutureStore, Scheduler
-from .wire import (PROTO_CONTENT_TYPE, FwdBwdRequest, FwdBwdResult, UserError, check_against_model,
+from .stability import StabilityRecords, resolve_provenance
+from .wire import (PROTO_CONTENT_TYPE, PROVENANCE_LOSSES, FwdBwdRequest, FwdBwdResult, UserError, check_against_model,
                    encode_forward_backward_output, forward_backward_output_json, parse_forward_backward, parse_json,
                    validate_forward_backward)
 
@@ -138,6 +139,7 @@ class TinkerApi:
         self._replies: collections.OrderedDict[str, Response] = collections.OrderedDict()
         self._samplers: dict[str, SamplingSession] = {}
         self._samples: dict[tuple[str, int], Response] = {}  # (sampling session, seq_id) -> first reply
+        self.stability = StabilityRecords(self._sample_result)
         self._rng = np.random.default_rng()
         self.store = CheckpointStore(settings.checkpoint_root)
         self.runs = RunsApi(self.store)
@@ -380,6 +382,9 @@ class TinkerApi:
         def build(record: ModelRecord) -> FwdBwdRequest:
             request = validate_forward_backward(msg, forward_only)
             check_against_model(request, record.spec.vocab_size, record.spec.max_context_length)
+            if request.loss_fn in PROVENANCE_LOSSES:  # the sampler's record, named by the datums' provenance
+                request = replace(request, data=tuple(resolve_provenance(d, i, self.stability, record.session_id)
+                                                      for i, d in enumerate(request.data)))
             return request
 
         kind = "forward" if forward_only else "forward_backward"
@@ -608,7 +613,12 @@ class TinkerApi:
                 fallback_seed = int(self._rng.integers(0, 2**62))
             job = parse_sample(request, snapshot, spec.vocab_size, spec.max_context_length, spec.eos_token_ids,
                                fallback_seed)
+            if request.get("record_stability_info"):
+                if sampler is None:
+                    raise UserError("record_stability_info needs a sampling session (its session owns the records)")
             request_id = self.scheduler.submit("sample", str(sampler_id or base_model), job)
+            if request.get("record_stability_info"):
+                self.stability.record(self._sampler_session(str(sampler_id)), sequence_ids, request_id, job.prompt)
         except UserError as e:
             future = self.futures.create()
             self.futures.fail(future.request_id, str(e), "user")
@@ -620,6 +630,16 @@ class TinkerApi:
                 while len(self._samples) > 100_000:
                     self._samples.pop(next(iter(self._samples)))
         return response
+
+    @staticmethod
+    def _sampler_session(sampler_id: str) -> str:
+        """The session a sampling session belongs to (its id is ``<session>:sample:<n>``)."""
+        return sampler_id.rsplit(":sample:", 1)[0]
+
+    def _sample_result(self, request_id: str) -> SampleResult | None:
+        """A finished sample's result (for ``stable_reinforce``'s records); None while pending or failed."""
+        future = self.futures.wait(request_id, 0)
+        return future.result if future is not None and isinstance(future.result, SampleResult) else None
 
     # ------------------------------------------------------------------- futures
 

@@ -16,6 +16,12 @@ right-padded ``[B, T]`` tensors, and returns the elementwise loss; ``mask`` zero
   (logprob - sampling_logprob))``; every token carries ``s``'s value with its own logprob's gradient
   (``s_t = s.detach() * exp(logprob - logprob.detach())``) in ``-min(s_t * A, clamp(s_t, low, high) * A)``
   (thresholds are ratios and have no default).
+- ``stable_reinforce``: Tinker does not publish its objective, only that it is a REINFORCE variant that stays
+  stable off-policy using information recorded at sampling time. This server's choice is REINFORCE with a
+  truncated importance weight (TIS), on the sampled tokens only: ``-(min(ratio, C).detach() * A * logprob)``
+  with ``ratio`` against the sampler's recorded logprob and ``C = clip_high_threshold`` (default 2.0); the
+  gradient is ``-min(ratio, C) * A * grad(logprob)``. ``weights`` (set from the provenance, ``stability.py``)
+  is 1 on sampled targets and 0 on prompt ones.
 """
 
 from __future__ import annotations
@@ -79,6 +85,11 @@ def gspo(logprobs: torch.Tensor, inputs: LossInputs, config: dict[str, float]) -
     return _clipped_objective(ratio, inputs, config)
 
 
+def stable_reinforce(logprobs: torch.Tensor, inputs: LossInputs, config: dict[str, float]) -> torch.Tensor:
+    coefficient = torch.clamp(_ratio(logprobs, inputs), max=config["clip_high_threshold"]).detach()
+    return -(coefficient * inputs.advantages * logprobs) * inputs.weights * inputs.mask
+
+
 def _clipped_objective(ratio: torch.Tensor, inputs: LossInputs, config: dict[str, float]) -> torch.Tensor:
     """PPO's per-token ``-min(ratio * A, clamp(ratio, low, high) * A)``, masked."""
     clipped = torch.clamp(ratio, config["clip_low_threshold"], config["clip_high_threshold"])
@@ -93,6 +104,7 @@ ELEMENTWISE_LOSSES = {
     "cispo": cispo,
     "dro": dro,
     "gspo": gspo,
+    "stable_reinforce": stable_reinforce,
 }
 
 

@@ -159,11 +159,9 @@ def parse_sample(body: dict[str, Any], snapshot: SnapshotRef, vocab_size: int, m
         raise UserError(f"sampling_params.seed must be a non-negative integer, got {seed!r}")
     base = np.random.default_rng(seed if seed is not None else fallback_seed)
     seeds = tuple(int(s) for s in base.integers(0, 2**62, num_samples))
-    for unsupported in ("target_prompt_logprobs", "prompt_alt_tokens_k", "record_stability_info"):
+    for unsupported in ("target_prompt_logprobs", "prompt_alt_tokens_k"):
         if body.get(unsupported):
-            why = (" (it records what the stable_reinforce loss trains on; this server has no stable_reinforce, "
-                   "whose objective Tinker does not publish)" if unsupported == "record_stability_info" else "")
-            raise UserError(f"{unsupported} is not supported by this server{why}")
+            raise UserError(f"{unsupported} is not supported by this server")
     last_n = body.get("prompt_logprobs_last_n")
     want_prompt = bool(body.get("prompt_logprobs"))
     if last_n is not None and (not isinstance(last_n, int) or not 1 <= last_n <= len(prompt) - 1):

@@ -22,6 +22,8 @@ LOSS_INPUTS: dict[str, tuple[frozenset[str], frozenset[str]]] = {
     "cispo": (frozenset({"target_tokens", "logprobs", "advantages"}), frozenset()),
     "dro": (frozenset({"target_tokens", "logprobs", "advantages"}), frozenset()),
     "gspo": (frozenset({"target_tokens", "logprobs", "advantages", "sequence_ratio_mask"}), frozenset()),
+    # The sampler's logprobs come from the record the provenance names; the client's copy is not needed.
+    "stable_reinforce": (frozenset({"target_tokens", "advantages"}), frozenset({"logprobs"})),
 }
 SUPPORTED_LOSS_FNS = tuple(LOSS_INPUTS)
 #: Losses whose ``target_tokens`` (and ``weights``) may be ``[N, K]``: K targets per position (top-K distillation).
@@ -35,18 +37,18 @@ LOSS_CONFIG_DEFAULTS: dict[str, dict[str, float]] = {
     "cispo": {"clip_low_threshold": 0.0, "clip_high_threshold": 4.0},
     "dro": {},
     "gspo": {},
+    # This server's truncation of the importance weight (losses.stable_reinforce); not a Tinker default.
+    "stable_reinforce": {"clip_high_threshold": 2.0},
 }
 #: Keys a loss needs in ``loss_fn_config``: Tinker's docs define them but publish no default, so none is guessed.
 LOSS_CONFIG_REQUIRED: dict[str, frozenset[str]] = {
     "dro": frozenset({"beta"}),
     "gspo": frozenset({"clip_low_threshold", "clip_high_threshold"}),
 }
+#: Losses whose datums name, with provenance spans, the recorded sampled sequence behind each position.
+PROVENANCE_LOSSES = frozenset({"stable_reinforce"})
 #: Why a loss of the SDK's ``LossFnType`` is refused, for the error message.
-UNSUPPORTED_LOSS_REASONS: dict[str, str] = {
-    "stable_reinforce": "Tinker does not publish StableReinforce's objective (only that it uses stability "
-    "information recorded at sampling time), so this server cannot compute it; train with ppo, cispo or "
-    "importance_sampling instead (tinker-cookbook: AsyncConfig(loss_fn=...) or loss_fn=...)",
-}
+UNSUPPORTED_LOSS_REASONS: dict[str, str] = {}
 #: The per-token float inputs besides ``weights``: ``Datum`` field -> ``loss_fn_inputs`` name.
 PER_TOKEN_INPUTS = {"sampling_logprobs": "logprobs", "advantages": "advantages",
                     "sequence_ratio_mask": "sequence_ratio_mask"}
@@ -58,6 +60,17 @@ PROTO_CONTENT_TYPE = "application/x-protobuf"
 
 class UserError(Exception):
     """A request the client got wrong; reported in the future's result as category ``user``."""
+
+
+@dataclass(frozen=True)
+class Span:
+    """A provenance run: ``length`` positions that are positions ``offset ..`` of a recorded sequence's sampled
+    tokens (``sampled``) or of its request's prompt."""
+
+    sampled: bool
+    sequence_id: str
+    offset: int
+    length: int
 
 
 @dataclass(frozen=True)
@@ -76,6 +89,9 @@ class Datum:
     sampling_logprobs: np.ndarray | None = None  # float32 [L]
     advantages: np.ndarray | None = None  # float32 [L]
     sequence_ratio_mask: np.ndarray | None = None  # float32 [L]; != 0 marks gspo's sequence-ratio tokens
+    #: Provenance (``stable_reinforce``): runs tiling ``tokens`` and ``targets``; None when the datum has none.
+    input_spans: tuple[Span, ...] | None = None
+    target_spans: tuple[Span, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -221,7 +237,29 @@ def _datum(msg: Any, index: int, loss_fn: str = "cross_entropy") -> Datum:
     if "sequence_ratio_mask" in extras and not np.any(extras["sequence_ratio_mask"] != 0):
         raise UserError(f"data[{index}]: sequence_ratio_mask marks no token (gspo's sequence ratio is a mean over "
                         "the marked tokens)")
+    if loss_fn in PROVENANCE_LOSSES:
+        extras.update(_provenance(msg, index, len(tokens)))
     return Datum(tokens, targets.astype(np.int64), weights, **extras)
+
+
+def _provenance(msg: Any, index: int, length: int) -> dict[str, tuple[Span, ...] | None]:
+    """A datum's provenance spans, each list tiling its field exactly (the SDK checks this for 1-D targets)."""
+    if not msg.model_input_spans and not msg.loss_fn_input_spans:
+        return {"input_spans": None, "target_spans": None}
+    out: dict[str, tuple[Span, ...] | None] = {}
+    for field, name in (("input_spans", "model_input_spans"), ("target_spans", "loss_fn_input_spans")):
+        spans = []
+        for span in getattr(msg, name):
+            arm = span.WhichOneof("span")
+            run = getattr(span, arm) if arm else None
+            if run is None or not run.sequence_id or run.offset < 0 or run.length < 0:
+                raise UserError(f"data[{index}].{name}: a span needs a sequence_id, offset >= 0 and length >= 0")
+            spans.append(Span(arm == "sampled_tokens", run.sequence_id, int(run.offset), int(run.length)))
+        if sum(s.length for s in spans) != length:
+            raise UserError(f"data[{index}].{name} cover {sum(s.length for s in spans)} positions, not the datum's "
+                            f"{length}")
+        out[field] = tuple(spans)
+    return out
 
 
 def loss_config(msg: Any) -> dict[str, float]:
@@ -249,6 +287,8 @@ def loss_config(msg: Any) -> dict[str, float]:
     if "clip_low_threshold" in config and not 0 <= config["clip_low_threshold"] <= config["clip_high_threshold"]:
         raise UserError("loss_fn_config: need 0 <= clip_low_threshold <= clip_high_threshold, got "
                         f"{config['clip_low_threshold']} and {config['clip_high_threshold']}")
+    if msg.loss_fn == "stable_reinforce" and not config["clip_high_threshold"] > 0:
+        raise UserError(f"loss_fn_config: need clip_high_threshold > 0, got {config['clip_high_threshold']}")
     if config.get("beta", 0.0) < 0:
         raise UserError(f"loss_fn_config: need beta >= 0, got {config['beta']}")
     return config

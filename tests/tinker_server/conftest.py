@@ -1,9 +1,10 @@
 """Fixtures for the Tinker-protocol server tests: the repo on sys.path, servers stopped by PID.
 
 One 2-rank server per ZeRO stage serves the whole session (starting one costs ~20 s on 2 cores);
-every test creates its own models on it. Each also serves a tiny local Hugging Face model
-(``--base-model``), built here with ``save_pretrained``, under its path and under a Hugging Face name
-(``--base-model NAME=PATH``, ``NAMED_MODEL``).
+every test creates its own models on it. Each also serves local Hugging Face models built here with
+``save_pretrained`` (``--base-model``): a tiny GPT-2 under its path, and tiny Qwen3 and Llama models with chat
+tokenizers (``examples/tinker_server/tiny_models.py``) under Hugging Face names tinker-cookbook knows
+(``--base-model NAME=PATH``, ``CHAT_MODELS``), the Qwen3 also under its path.
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ for path in (ROOT, HERE):  # the server package lives in examples/; tinker_sdk_h
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
 
-from tinker_sdk_helpers import (NAMED_MODEL, build_tiny_hf_model, require, start_server, stop_server,  # noqa: E402
-                                unmanaged_stage_supported)
+from tinker_sdk_helpers import (CHAT_MODELS, NAMED_MODEL, build_tiny_hf_model, require, start_server,  # noqa: E402
+                                stop_server, unmanaged_stage_supported)
 
 
 @pytest.fixture(scope="session")
@@ -31,17 +32,31 @@ def local_hf_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_hf_model(tmp_path_factory.mktemp("hf-model") / "tiny-gpt2")
 
 
+@pytest.fixture(scope="session")
+def chat_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Hugging Face name -> a tiny randomly initialised model of that architecture with a tokenizer that has the
+    chat template's special tokens (``CHAT_MODELS``), so tinker-cookbook's renderers for the name work."""
+    require("transformers")
+    from examples.tinker_server.tiny_models import build_tiny_model
+
+    root = tmp_path_factory.mktemp("chat-models")
+    return {name: build_tiny_model(root / family, family) for name, family in CHAT_MODELS.items()}
+
+
 @pytest.fixture(scope="session", params=[0, 1, 2, 3], ids=lambda s: f"zero{s}")
-def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, local_hf_model: Path) -> Iterator:
+def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, local_hf_model: Path,
+           chat_models: dict[str, Path]) -> Iterator:
     """One 2-rank server per supported ZeRO stage, shared by every test of the session."""
     require("tinker")
     if not unmanaged_stage_supported(request.param):
         pytest.skip(f"this DeepSpeed does not support unmanaged mode with ZeRO stage {request.param}")
     tmp_dir = tmp_path_factory.mktemp(f"tinker-zero{request.param}")
-    server = start_server(tmp_dir, request.param, base_models=(local_hf_model, f"{NAMED_MODEL}={local_hf_model}"))
+    named = tuple(f"{name}={path}" for name, path in chat_models.items())
+    server = start_server(tmp_dir, request.param, base_models=(local_hf_model, chat_models[NAMED_MODEL], *named))
     server.checkpoint_dir = tmp_dir / "ckpt"
     server.zero_stage = request.param
     server.local_model = str(local_hf_model)
+    server.chat_models = chat_models
     try:
         yield server
     finally:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -31,9 +32,11 @@ CONFIGS = {
     "dro": [{"beta": 0.05}, {"beta": 0.7}],
     "gspo": [{"clip_low_threshold": 0.9, "clip_high_threshold": 1.05},
              {"clip_low_threshold": 0.95, "clip_high_threshold": 1.1}],
+    "stable_reinforce": [None, {"clip_high_threshold": 1.1}],
 }
 DEFAULTS = {"ppo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
-            "cispo": {"clip_low_threshold": 0.0, "clip_high_threshold": 4.0}}
+            "cispo": {"clip_low_threshold": 0.0, "clip_high_threshold": 4.0},
+            "stable_reinforce": {"clip_high_threshold": 2.0}}
 
 
 def random_datums(rng: np.random.Generator, lengths: list[int]) -> list[dict]:
@@ -91,7 +94,8 @@ def test_each_loss_equals_its_formula_in_value_and_gradient(loss_fn: str, config
     if ("clip_high_threshold" in merged and config is not None) or loss_fn == "ppo":  # the data reach the clip
         ratio = ratios_reaching_the_clip(loss_fn, data, padded, inputs)
         assert bool((ratio > merged["clip_high_threshold"]).any()), "no ratio above the upper threshold"
-        assert bool((ratio < merged["clip_low_threshold"]).any()) or loss_fn == "cispo", "none below the lower one"
+        low = merged.get("clip_low_threshold", 0.0)
+        assert bool((ratio < low).any()) or loss_fn in ("cispo", "stable_reinforce"), "none below the lower one"
 
 
 def test_gspo_clips_one_sequence_ratio_over_the_masked_tokens() -> None:
@@ -235,7 +239,10 @@ def test_rl_inputs_and_clip_settings_decode_with_tinker_defaults() -> None:
     ([rl_datum()], "importance_sampling", {"clip_low_threshold": 0.5}, "not accepted by importance_sampling"),
     ([rl_datum()], "ppo", {"clip_epsilon": 0.2}, "not accepted by ppo"),
     ([rl_datum()], "ppo", {"clip_low_threshold": 1.5, "clip_high_threshold": 1.2}, "clip_low_threshold <="),
-    ([rl_datum()], "stable_reinforce", None, "unsupported loss function .* does not publish"),
+    ([rl_datum()], "stable_reinforce", {"clip_high_threshold": 0.0}, "clip_high_threshold > 0"),
+    ([dataclasses.replace(rl_datum(), model_input_spans=[types.SampledProvenanceSpan(sequence_id="s", length=3)],
+                          loss_fn_input_spans=[types.SampledProvenanceSpan(sequence_id="s", length=2)])],
+     "stable_reinforce", None, "loss_fn_input_spans cover 2 positions"),
     ([rl_datum()], "dro", None, "dro needs loss_fn_config \\['beta'\\]"),
     ([rl_datum()], "dro", {"beta": -0.1}, "beta >= 0"),
     ([rl_datum(sequence_ratio_mask=[1.0] * 3)], "gspo", None, "gspo needs loss_fn_config"),

@@ -1,7 +1,7 @@
 """``--base-model NAME=PATH``: a local model served under the Hugging Face name tinker-cookbook looks up.
 
 In-process for the protocol (no ranks) and the cookbook's lookups; through the SDK against the session's
-ZeRO-1 server (which serves the tiny local GPT-2 under its path and as ``NAMED_MODEL``) for the rest.
+ZeRO-1 server (which serves a tiny Qwen3 with a chat tokenizer under its path and as ``NAMED_MODEL``) for the rest.
 """
 
 from __future__ import annotations
@@ -88,10 +88,11 @@ def test_a_named_model_is_served_under_its_name(local_hf_model: Path, served_mod
         assert torch.equal(a, b), name
 
 
-def test_the_cookbook_resolves_the_name_offline(local_hf_model: Path, tmp_path: Path,
+def test_the_cookbook_resolves_the_name_offline(chat_models: dict[str, Path], tmp_path: Path,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """Renderer, learning rate and model info come from the cookbook's tables; the tokenizer, offline, from a
-    directory of that name under the working directory (transformers loads a local path before the hub)."""
+    directory of that name under the working directory (transformers loads a local path before the hub), and the
+    renderer renders a conversation with it."""
     pytest.importorskip("tinker_cookbook.model_info", reason="install requirements/tinker-cookbook.txt (--no-deps)")
     from tinker_cookbook import hyperparam_utils, model_info, tokenizer_utils
 
@@ -102,9 +103,14 @@ def test_the_cookbook_resolves_the_name_offline(local_hf_model: Path, tmp_path: 
     monkeypatch.chdir(tmp_path)
     org, name = NAMED_MODEL.split("/")
     (tmp_path / org).mkdir()
-    os.symlink(local_hf_model, tmp_path / org / name)
+    os.symlink(chat_models[NAMED_MODEL], tmp_path / org / name)
     tokenizer = tokenizer_utils.get_tokenizer(NAMED_MODEL)
     assert tokenizer.encode("hi", add_special_tokens=False) == list(b"hi")
+    from tinker_cookbook import renderers
+
+    renderer = renderers.get_renderer("qwen3", tokenizer)
+    prompt = renderer.build_generation_prompt([{"role": "user", "content": "hi"}])
+    assert tokenizer.decode(prompt.to_ints()) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
 
 
 def test_the_sdk_trains_and_samples_a_named_model(server) -> None:
@@ -115,9 +121,10 @@ def test_the_sdk_trains_and_samples_a_named_model(server) -> None:
         rest = tinker.RestClient(base_url=server.base_url, api_key=API_KEY)
         capabilities = rest.get_server_capabilities().result(timeout=RESULT_TIMEOUT_S)
         names = [m.model_name for m in capabilities.supported_models]
-        assert {NAMED_MODEL, server.local_model, "tiny-llama-byte"} <= set(names)
+        path = str(server.chat_models[NAMED_MODEL])
+        assert {NAMED_MODEL, path, *server.chat_models, "tiny-llama-byte"} <= set(names)
         named, by_path = (service.create_lora_training_client(base_model=name, rank=4, seed=3)
-                          .result(timeout=RESULT_TIMEOUT_S) for name in (NAMED_MODEL, server.local_model))
+                          .result(timeout=RESULT_TIMEOUT_S) for name in (NAMED_MODEL, path))
         assert named.get_info().model_data.model_name == NAMED_MODEL
         assert named.get_tokenizer().encode("hi", add_special_tokens=False) == list(b"hi")
 

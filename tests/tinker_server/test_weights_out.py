@@ -3,8 +3,8 @@
 ``weights.build_hf_model``'s merged model with the server sampler's logprobs; the RestClient's run and
 checkpoint listings, TTL and delete work and survive a restart.
 
-The model is a tiny randomly initialised Qwen3 (untied unembedding, so LoRA also wraps ``lm_head``)
-built here with ``save_pretrained``, with the byte-level tokenizer: a real architecture, nothing downloaded.
+The model is a tiny randomly initialised Qwen3 (untied unembedding, so LoRA also wraps ``lm_head``) with a chat
+tokenizer (``tiny_models``, the session's ``chat_models``): a real architecture, nothing downloaded.
 """
 
 from __future__ import annotations
@@ -27,38 +27,21 @@ from tinker import types  # noqa: E402
 
 from examples.tinker_server.api import checkpoint_dir  # noqa: E402
 from examples.tinker_server.launch import ROOT  # noqa: E402
-from tinker_sdk_helpers import (API_KEY, RESULT_TIMEOUT_S, adam, random_data, start_server, stop_server,  # noqa: E402
-                                to_sdk, unmanaged_stage_supported)
+from tinker_sdk_helpers import (API_KEY, NAMED_MODEL, RESULT_TIMEOUT_S, adam, random_data, start_server,  # noqa: E402
+                                stop_server, to_sdk, unmanaged_stage_supported)
 
 pytestmark = pytest.mark.pr("zero-0-1")
-VOCAB = 256
 PROMPT = [72, 101, 108, 108, 111, 44, 32, 68, 101, 101, 112]
 #: Logprobs of the same fp32 weights through two code paths (the server's sampler, transformers + peft
 #: with another attention kernel) agree to ~1e-6; training moves them by more than 1e-2.
 LOGPROB_ATOL = 1e-4
 
 
-def build_tiny_qwen3(directory: Path) -> Path:
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    from examples.tinker_server.byte_tokenizer import write_byte_tokenizer
-
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = Qwen3ForCausalLM(Qwen3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
-                                             num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-                                             head_dim=16, max_position_embeddings=128, tie_word_embeddings=False,
-                                             bos_token_id=None, eos_token_id=None, pad_token_id=None))
-    model.save_pretrained(str(directory))
-    write_byte_tokenizer(directory)
-    return directory.resolve()
-
-
-def server_distributions(sampler) -> np.ndarray:
+def server_distributions(sampler, vocab: int) -> np.ndarray:
     """log p(. | PROMPT[:i]) over the whole vocabulary for i = 1 .. len(PROMPT) - 1, from the server's sampler."""
     result = sampler.sample(types.ModelInput.from_ints(PROMPT), 1, types.SamplingParams(max_tokens=1, seed=0),
-                            include_prompt_logprobs=True, topk_prompt_logprobs=VOCAB).result(timeout=RESULT_TIMEOUT_S)
-    rows = np.full((len(PROMPT) - 1, VOCAB), np.nan)
+                            include_prompt_logprobs=True, topk_prompt_logprobs=vocab).result(timeout=RESULT_TIMEOUT_S)
+    rows = np.full((len(PROMPT) - 1, vocab), np.nan)
     for i, top in enumerate(result.topk_prompt_logprobs[1:]):
         for token, logprob in top:
             rows[i, token] = logprob
@@ -103,7 +86,7 @@ def checkpoint_dir_of(root: Path, tinker_path: str) -> Path:
     return checkpoint_dir(root, run_id, name, kind)
 
 
-def test_a_trained_adapter_comes_out_and_the_listings_survive_a_restart(tmp_path: Path,
+def test_a_trained_adapter_comes_out_and_the_listings_survive_a_restart(tmp_path: Path, chat_models: dict[str, Path],
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     require("tinker_cookbook")
     from tinker_cookbook import weights
@@ -113,9 +96,10 @@ def test_a_trained_adapter_comes_out_and_the_listings_survive_a_restart(tmp_path
     if not stages:
         pytest.skip("this DeepSpeed supports no ZeRO stage in unmanaged mode")
     stage, checkpoints = stages[-1], tmp_path / "ckpt"  # the most sharded stage: the export gathers
-    base_dir = build_tiny_qwen3(tmp_path / "tiny-qwen3")
+    base_dir = chat_models[NAMED_MODEL]
     monkeypatch.setenv("TINKER_API_KEY", API_KEY)
     base = lambda: AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)  # noqa: E731
+    vocab = base().config.vocab_size
 
     first = start_server(tmp_path / "first", stage, checkpoints, base_models=(base_dir, ))
     try:
@@ -129,7 +113,8 @@ def test_a_trained_adapter_comes_out_and_the_listings_survive_a_restart(tmp_path
         final = training.save_state("final", user_metadata={"note": "kept"}).result(timeout=RESULT_TIMEOUT_S).path
         sampler_path = training.save_weights_for_sampler("final").result(timeout=RESULT_TIMEOUT_S).path
         doomed = training.save_weights_for_sampler("doomed").result(timeout=RESULT_TIMEOUT_S).path
-        expected = server_distributions(service.create_sampling_client(model_path=sampler_path).result(timeout=60))
+        expected = server_distributions(service.create_sampling_client(model_path=sampler_path).result(timeout=60),
+                                        vocab)
         assert np.abs(expected - local_distributions(base())).max() > 1e-2, "training barely moved the model"
 
         # The SDK's CLI download: a PEFT adapter, loaded by peft, is the model the server samples.

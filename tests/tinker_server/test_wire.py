@@ -53,7 +53,7 @@ def test_decodes_what_the_sdk_encodes(compress: bool) -> None:
 @pytest.mark.parametrize("data, loss_fn, message", [
     ([datum([1, 2, 3], [2, 3])], "cross_entropy", "lengths disagree"),
     ([datum([1, 2, 3], [2, 3, 4], [1.0])], "cross_entropy", "lengths disagree"),
-    ([datum([1, 2])], "stable_reinforce", "unsupported loss function"),
+    ([datum([1, 2])], "reinforce", "unsupported loss function"),
     ([], "cross_entropy", "at least one datum"),
 ])
 def test_bad_requests_are_user_errors(data, loss_fn: str, message: str) -> None:

@@ -30,8 +30,9 @@ def require(module: str) -> Any:
 
 
 API_KEY = "tml-test"
-#: The Hugging Face name the session's servers also serve the tiny local model under (``--base-model NAME=PATH``):
-#: one tinker-cookbook's model tables know.
+#: Hugging Face names tinker-cookbook's model tables know -> the ``tiny_models`` family the session's servers serve
+#: under that name (``--base-model NAME=PATH``): the cookbook picks the ``qwen3`` and ``role_colon`` renderers.
+CHAT_MODELS = {"Qwen/Qwen3-8B": "qwen3", "meta-llama/Llama-3.1-8B": "llama"}
 NAMED_MODEL = "Qwen/Qwen3-8B"
 RESULT_TIMEOUT_S = 120
 #: Generous: a loaded 2-core machine can take a minute to import torch and DeepSpeed on 2 ranks.
@@ -189,6 +190,9 @@ def reference_elementwise_loss(loss_fn: str, logprobs: torch.Tensor, datum: dict
         ratio = torch.exp(log_ratio + logprobs - logprobs.detach())
         clipped = torch.clamp(ratio, config["clip_low_threshold"], config["clip_high_threshold"])
         return -torch.min(ratio * advantages, clipped * advantages)
+    if loss_fn == "stable_reinforce":  # this server's choice (Tinker publishes none): truncated-IS REINFORCE
+        weight = torch.clamp(ratio, max=config.get("clip_high_threshold", 2.0)).detach()
+        return -(weight * advantages * logprobs) * torch.tensor(datum["weights"], dtype=torch.float32)
     raise ValueError(loss_fn)
 
 
