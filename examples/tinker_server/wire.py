@@ -247,7 +247,7 @@ def _provenance(msg: Any, index: int, length: int) -> dict[str, tuple[Span, ...]
     if not msg.model_input_spans and not msg.loss_fn_input_spans:
         return {"input_spans": None, "target_spans": None}
     out: dict[str, tuple[Span, ...] | None] = {}
-    for field, name in (("input_spans", "model_input_spans"), ("target_spans", "loss_fn_input_spans")):
+    for key, name in (("input_spans", "model_input_spans"), ("target_spans", "loss_fn_input_spans")):
         spans = []
         for span in getattr(msg, name):
             arm = span.WhichOneof("span")
@@ -258,7 +258,7 @@ def _provenance(msg: Any, index: int, length: int) -> dict[str, tuple[Span, ...]
         if sum(s.length for s in spans) != length:
             raise UserError(f"data[{index}].{name} cover {sum(s.length for s in spans)} positions, not the datum's "
                             f"{length}")
-        out[field] = tuple(spans)
+        out[key] = tuple(spans)
     return out
 
 

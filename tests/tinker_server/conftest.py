@@ -9,6 +9,7 @@ tokenizers (``examples/tinker_server/tiny_models.py``) under Hugging Face names 
 
 from __future__ import annotations
 
+import logging
 import sys
 from pathlib import Path
 from typing import Iterator
@@ -61,3 +62,19 @@ def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
         yield server
     finally:
         stop_server(server)
+
+
+@pytest.fixture
+def root_logging() -> Iterator[None]:
+    """tinker-cookbook replaces the root logger's handlers when it starts: give the next tests theirs back."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    for handler in root.handlers[:]:
+        if handler not in handlers:
+            root.removeHandler(handler)
+            handler.close()
+    for handler in handlers:
+        if handler not in root.handlers:
+            root.addHandler(handler)
+    root.setLevel(level)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 from pathlib import Path
 
 import pytest
@@ -33,22 +32,6 @@ def test_the_task_rewards_lowercase_letters_and_the_cookbook_gets_the_byte_token
     tokenizer = get_tokenizer(rl_client.BASE_MODEL)  # from the registry: nothing downloaded
     assert tokenizer.encode("letters:", add_special_tokens=False) == list(b"letters:")
     assert tokenizer.decode(list(b"hi there")) == "hi there"
-
-
-@pytest.fixture
-def root_logging():
-    """The cookbook replaces the root logger's handlers when it starts: give the next tests theirs back."""
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
-    yield
-    for handler in root.handlers[:]:
-        if handler not in handlers:
-            root.removeHandler(handler)
-            handler.close()
-    for handler in handlers:
-        if handler not in root.handlers:
-            root.addHandler(handler)
-    root.setLevel(level)
 
 
 def test_the_cookbook_rl_loop_trains_against_the_server(server, tmp_path: Path, root_logging) -> None:
