@@ -618,7 +618,7 @@ class Checker:
 
     # ----- per PR -----
 
-    def baseline(self, pr: str, suites: list[Suite]) -> None:
+    def baseline(self, pr: str, suites: list[Suite], key: str | None = None) -> None:
         summary = {"tests": 0, "failed": [], "skipped": 0, "seconds": 0.0}
         for suite in suites:
             timeout = self.args.baseline_timeout
@@ -644,7 +644,7 @@ class Checker:
             suite.baseline_seconds = seconds
             # In-tree suites are named by file; the node ids that passed replace them.
             suite.tests = passed
-        self.baselines[pr] = summary
+        self.baselines[key or pr] = summary
 
     def check_hunk(self, hunk: Hunk, state: dict[str, bytes | None], suites: list[Suite],
                    noticers: list[str]) -> Result:
@@ -814,10 +814,11 @@ class Checker:
             if h.key in self.results:
                 self.results[h.key]["changes"] = h.first_changes()
         todo = [h for h in hunks if h.key not in self.results]
+        state = self.state_at(pr)
         if not todo:
             log(f"{pr}: all {len(hunks)} hunks done earlier")
+            self.check_wider(pr, hunks, state)
             return
-        state = self.state_at(pr)
         self.write_files(state)
         suites = self.suites_for(pr, pr)
         log(f"{pr}: {len(hunks)} hunk(s), {len(todo)} to check; tests: " + ", ".join(f"{len(s.tests)} {s.name}"
@@ -839,7 +840,42 @@ class Checker:
             self.results[hunk.key] = asdict(result)
             self.save_results()
             log(f"{pr} {hunk.file} #{hunk.index} ({hunk.line_range()}): {describe(result)} [{result.seconds:.0f} s]")
+        self.check_wider(pr, hunks, state)
         self.write_report(self.series())
+
+    def check_wider(self, pr: str, hunks: list[Hunk], state: dict[str, bytes | None]) -> None:
+        """With --wider: does a test of an earlier PR of the series notice a hunk that its own PR's tests do not?
+        (Then the hunk has a test, marked with another PR; otherwise it has none in the series up to its PR.)"""
+        if not self.args.wider:
+            return
+        flagged = [
+            h for h in hunks
+            if self.results[h.key]["outcome"] in ("not-noticed", "no-tests") and "wider" not in self.results[h.key]
+        ]
+        series = self.series()
+        earlier = [t for p in series[:series.index(pr)] for t in self.project_tests.get(p, [])]
+        if not flagged or not earlier:
+            return
+        self.write_files(state)
+        args = ["--paths", "core", "--world-sizes", "2", "--rank-timeout", str(self.args.rank_timeout)]
+        suites = [Suite("earlier", self.src, self.env, args, earlier)]
+        key = f"{pr} (earlier PRs' tests)"
+        self.baseline(pr, suites, key)
+        b = self.baselines[key]
+        log(f"{pr}: earlier PRs' tests, baseline {b['tests']} passed, {len(b['failed'])} failed in {b['seconds']:.0f} s"
+            )
+        noticers: list[str] = []
+        for hunk in flagged:
+            result = self.check_hunk(hunk, state, suites, noticers)
+            if result.test and result.outcome in ("noticed", "hang") and result.test not in noticers:
+                noticers.insert(0, result.test)
+            self.results[hunk.key]["wider"] = {
+                "outcome": result.outcome,
+                "test": result.test,
+                "seconds": result.seconds
+            }
+            self.save_results()
+            log(f"{pr} {hunk.file} #{hunk.index}: earlier PRs' tests: {describe(result)} [{result.seconds:.0f} s]")
 
     # ----- report -----
 
@@ -939,6 +975,14 @@ def hunk_block(r: dict) -> list[str]:
     ]
     out += [f"  {l}" for l in r["changes"]]
     out += ["  ```", ""]
+    wider = r.get("wider")
+    if wider:
+        found = {
+            "noticed": f"noticed by `{wider['test']}`",
+            "hang": f"noticed (hang) by `{wider['test']}`",
+            "import-error": "noticed (import error)"
+        }.get(wider["outcome"], "**not noticed either**")
+        out[0] += f". The earlier PRs' tests: {found}"
     return out
 
 
@@ -975,6 +1019,10 @@ def main(argv: list[str] | None = None) -> int:
                         nargs="*",
                         default=list(IGNORED_TEST_PATHS),
                         help=f"project test paths left out (default {' '.join(IGNORED_TEST_PATHS)})")
+    parser.add_argument("--wider",
+                        action="store_true",
+                        help="for each hunk its PR's tests do not notice, also run the tests of the PRs before it (in "
+                        "the same tree) and report whether one of those notices it")
     parser.add_argument("--fresh", action="store_true", help="discard results kept from an earlier run of this commit")
     args = parser.parse_args(argv)
     args.venv = args.venv or str(ROOT / f".venv-hunks-{args.base}")
