@@ -794,9 +794,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--report", default=None,
                         help="markdown report to write (default: docs/upstream-tests.md for a full run of every "
                         "base, else <out>/report.md)")
-    parser.add_argument("--missing-ok", action="store_true",
-                        help="a base whose upstream tests are unavailable is skipped with a warning (CI on a "
-                        "machine without them), not an error")
+    parser.add_argument("--available", action="store_true",
+                        help="only check that upstream's tests are here for the base(s): exit 0 if so, else 1")
     parser.add_argument("--report-only", action="store_true",
                         help="rewrite the report from the results.json files of an earlier run")
     args = parser.parse_args(argv)
@@ -806,20 +805,20 @@ def main(argv: list[str] | None = None) -> int:
     whole = args.subset == "full" and not args.paths and set(bases) == set(stack.available_bases())
     report = Path(args.report) if args.report else (ROOT / "docs" / "upstream-tests.md" if whole else
                                                    Path(args.out) / "report.md")
+    if args.available:
+        for base in bases:
+            try:
+                log(f"{base}: upstream's tests at {upstream_tests_folder(base)[0]}")
+            except SystemExit as err:
+                log(str(err))
+                return 1
+        return 0
     all_results = []
     for base in bases:
-        if args.missing_ok and not args.report_only:
-            try:
-                upstream_tests_folder(base)
-            except SystemExit as err:
-                log(f"warning: {err}; {base} not compared")
-                continue
         if args.report_only:
             all_results.append(json.loads((Path(args.out) / base / "results.json").read_text(encoding="utf-8")))
         else:
             all_results.append(run_base(base, args))
-    if not all_results:
-        return 0
     write_report(report, all_results)
     log(f"report: {report}")
     status = 0
