@@ -7,7 +7,7 @@ Each is driven through the recipe's own ``build_config_blueprint`` and ``main``,
 command line (``base_url``, ``log_path``, the learning rate, a few steps) and a local dataset in place of the one
 it downloads from the hub: the cookbook's own ``example_data/conversations.jsonl`` for SL, the letters task as a
 chat (``examples/tinker_server/chat_letters.py``) for RL. The tokenizers come from the cookbook's registry
-(``register_tokenizer``, as a user's script does offline). One ZeRO stage each: ~1 minute together.
+(``register_tokenizer``, as a user's script does offline). One ZeRO stage each: ~10 s and ~20-80 s.
 """
 
 from __future__ import annotations
@@ -79,8 +79,8 @@ def test_rl_basic_with_async_config_raises_the_reward(server, cookbook_env, tmp_
     log_path = tmp_path / "rl_basic"
     config = rl_basic.build_config_blueprint(LLAMA).apply({
         "dataset_builder": ChatLettersDatasetBuilder(renderer_name="role_colon", model_name_for_tokenizer=LLAMA,
-                                                     batches=10, batch_size=4, group_size=4, max_tokens=8),
-        "base_url": server.base_url, "log_path": str(log_path), "learning_rate": 1e-1, "lora_rank": 16,
+                                                     batches=10, batch_size=4, group_size=8, max_tokens=8),
+        "base_url": server.base_url, "log_path": str(log_path), "learning_rate": 3e-2, "lora_rank": 16,
         "max_tokens": 8, "async_config": AsyncConfig(max_steps_off_policy=1, groups_per_batch=4),
         "num_groups_to_log": 0, "rollout_json_export": False, "save_every": 0}).make()
     assert config.renderer_name == "role_colon" and config.training_loss_fn() == "stable_reinforce"
