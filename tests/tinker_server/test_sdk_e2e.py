@@ -155,7 +155,7 @@ def test_bad_input_is_a_user_error_and_the_server_keeps_serving(server, service)
         "lengths disagree ": ([([1, 2, 3], [2, 3, 4], [1.0])], "cross_entropy"),
         "outside the vocabulary": ([([1, 2, 256], [2, 3, 4], [1.0] * 3)], "cross_entropy"),
         "outside the vocabulary ": ([([1, 2, 3], [2, 3, 999], [1.0] * 3)], "cross_entropy"),
-        "stable_reinforce needs loss_fn_inputs": (good, "stable_reinforce"),
+        "stable_reinforce takes": (good, "stable_reinforce"),
     }
     failing = {name: training.forward_backward(to_sdk(data), loss) for name, (data, loss) in sdk_cases.items()}
     last = training.forward_backward(to_sdk(good), "cross_entropy")
