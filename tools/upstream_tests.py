@@ -54,6 +54,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -279,10 +280,17 @@ def fix_harness(tests: Path) -> str:
     common = tests / "unit" / "common.py"
     if "current_device_name()" in common.read_text(encoding="utf-8").split("def reduce_boolean_flags", 1)[-1]:
         return "already fixed"
-    result = subprocess.run(["git", "apply", "--include=tests/unit/common.py", "--directory=", str(patch)],
-                            cwd=tests.parent, capture_output=True, text=True)
-    if result.returncode != 0:
-        raise SystemExit(f"error: {patch.name} does not apply to {common}: {result.stderr.strip()}")
+    # In a scratch folder outside any git repository: inside one (scratch/ is in this one) `git apply` takes the
+    # patch's paths as relative to the repository's root and skips them.
+    with tempfile.TemporaryDirectory() as scratch:
+        target = Path(scratch) / "tests" / "unit" / "common.py"
+        target.parent.mkdir(parents=True)
+        shutil.copy2(common, target)
+        result = subprocess.run(["git", "apply", "--include=tests/unit/common.py", str(patch)], cwd=scratch,
+                                capture_output=True, text=True, env={**os.environ, "GIT_CEILING_DIRECTORIES": scratch})
+        if result.returncode != 0 or target.read_bytes() == common.read_bytes():
+            raise SystemExit(f"error: {patch.name} does not apply to {common}: {result.stderr.strip()}")
+        shutil.copy2(target, common)
     return f"{patch.relative_to(ROOT)} applied"
 
 
