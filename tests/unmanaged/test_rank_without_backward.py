@@ -1,0 +1,42 @@
+"""ZeRO stages 2 and 3 reduce in every backward: a rank that calls step() with no backward while its peers ran one
+gets a clear error at once, before any collective (its peers wait in their backward's reduction). Both series."""
+
+import pytest
+
+from support.paths import PATHS
+from support.training import backward, destroy, forward_loss, snapshot
+
+FLAG = "managed_gradient_accumulation"
+
+
+def _rank_without_backward_body(path_name: str) -> dict:
+    import deepspeed.comm as ds_comm
+
+    engine = PATHS[path_name].initialize(gas=1, managed=False)
+    if ds_comm.get_rank() != 0:
+        # Waits in the reductions of backward (at stage 3 also the gathers of forward) until rank 0 joins them
+        backward(engine, forward_loss(engine, 0, 0))
+    else:
+        with pytest.raises(RuntimeError, match=rf"{FLAG}=false but no backward.* since the previous step\(\) on "
+                           rf"this rank"):
+            engine.step()
+        # Rank 0 joined no collective: its own forward and backward now meet the ones its peers wait in
+        backward(engine, forward_loss(engine, 0, 0))
+    engine.step()
+    assert engine.was_step_applied()
+    params = snapshot(engine).params
+    destroy(engine)
+    return params
+
+
+@pytest.mark.world_size(2)
+@pytest.mark.rank_timeout(240)
+@pytest.mark.parametrize("path_name", [
+    pytest.param("zero2-fp32", marks=pytest.mark.pr("zero-2", "unmanaged-step-checks")),
+    pytest.param("zero3-fp32", marks=pytest.mark.pr("zero-3", "unmanaged-step-checks")),
+])
+def test_rank_without_backward_raises_before_any_collective(dist, path_name):
+    params = dist.run(_rank_without_backward_body, path_name)
+    # Every rank applied the same step afterwards
+    for name, value in params[0].items():
+        assert all(value.equal(other[name]) for other in params[1:]), name
