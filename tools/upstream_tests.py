@@ -64,7 +64,12 @@ ROOT = TOOLS.parent
 sys.path.insert(0, str(TOOLS))
 
 import stack  # noqa: E402
-import upstream_tests_plugin  # noqa: E402
+
+#: The pytest plugin each session loads (tools/upstream_tests_plugin.py, imported there, not here: it needs pytest),
+#: and the environment variables it reads (the same names as there).
+PLUGIN = "upstream_tests_plugin"
+PLUGIN_LOG_ENV = "DS_UPSTREAM_TESTS_LOG"
+PLUGIN_PRELOAD_ENV = "DS_UPSTREAM_TESTS_PRELOAD"
 
 #: Upstream's test tree (the folder holding ``tests/``) per base, relative to the repository root, and the
 #: revision it is. A base with ``[extras]`` in base.toml defaults to that folder (the same revision its PRs' tests
@@ -203,7 +208,7 @@ def side_env(base: str, venv: Path, local_size: int, timeout: int, preload: bool
         "PIP_DISABLE_PIP_VERSION_CHECK": "1",
     })
     if preload:
-        env[upstream_tests_plugin.PRELOAD_ENV] = "torch,deepspeed"
+        env[PLUGIN_PRELOAD_ENV] = "torch,deepspeed"
     # The JIT ops' build command includes the compiler: the one CI builds with (.ci/bin/g++, no debug information),
     # unless the caller sets another; a different one would rebuild every op on first use.
     if "CXX" not in env and shutil.which("g++"):
@@ -439,18 +444,19 @@ def run_side(python: Path, side_dir: Path, paths: list[str], env: dict[str, str]
     for session in range(1, MAX_SESSIONS + 1):
         side.sessions += 1
         done_file.write_text("\n".join(outcome) + "\n", encoding="utf-8")
-        argv = [str(python), "-m", "pytest", "-p", "no:cacheprovider", "-p", upstream_tests_plugin.__name__,
+        argv = [str(python), "-m", "pytest", "-p", "no:cacheprovider", "-p", PLUGIN,
                 f"--basetemp={side_dir / 'tmp'}", f"--upstream-tests-done={done_file}", "--continue-on-collection-errors",
                 "-q", "-rN", *(() if only else options), *(only if only else paths)]
         shm_before = _shm_files()
         out_path = side_dir / f"pytest{'-rerun' if only else ''}-{session}.log"
         with out_path.open("w") as out:
-            proc = subprocess.Popen(argv, cwd=side_dir / "tests", env={**env, upstream_tests_plugin.LOG_ENV:
+            proc = subprocess.Popen(argv, cwd=side_dir / "tests", env={**env, PLUGIN_LOG_ENV:
                                                                         str(events)},
                                     stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
             offset = 0
             running: tuple[str, float] | None = None
             killed = False
+            ended = False
             while True:
                 finished = proc.poll() is not None
                 with events.open("rb") if events.exists() else open(os.devnull, "rb") as f:
@@ -469,6 +475,8 @@ def run_side(python: Path, side_dir: Path, paths: list[str], env: dict[str, str]
                         running = (event["nodeid"], time.monotonic())
                     elif kind == "report":
                         reports.setdefault(event["nodeid"], []).append(event)
+                    elif kind == "sessionfinish":
+                        ended = True
                     elif kind == "finish":
                         nodeid = event["nodeid"]
                         outcome[nodeid], detail, duration = _combine(reports.get(nodeid, []))
@@ -501,6 +509,10 @@ def run_side(python: Path, side_dir: Path, paths: list[str], env: dict[str, str]
             break  # nothing collected, or the session died before collecting: the log says why
         remaining = [nodeid for nodeid in expected if nodeid not in outcome]
         if not remaining:
+            break
+        if ended and running is None:
+            # The session ran to its end: what it did not run, pytest itself deselected after our plugin listed it.
+            expected = [nodeid for nodeid in expected if nodeid in outcome]
             break
         if running is None:
             # The session ended between tests without finishing them (killed from outside, pytest.exit elsewhere):

@@ -16,10 +16,9 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:  # the runner imports this module for its constants, maybe without pytest
-    import pytest
+import pytest
 
 #: Environment variable naming the JSON-lines file to append events to.
 LOG_ENV = "DS_UPSTREAM_TESTS_LOG"
@@ -67,6 +66,7 @@ def pytest_configure(config: pytest.Config) -> None:
         _log.write(event="session", pid=os.getpid())
 
 
+@pytest.hookimpl(trylast=True)  # after pytest's own -m/-k deselection (upstream's pytest.ini has -m)
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
     whole_file = config.getoption("--upstream-tests-one-per-function")
     if whole_file:

@@ -144,18 +144,29 @@ def test_plugin_keeps_one_parametrization_per_function(tmp_path: Path):
         @pytest.mark.parametrize("stage", [1, 2])
         def test_whole(stage):
             pass
+
+        @pytest.mark.sequential  # deselected by -m, as upstream's pytest.ini does: never listed as collected
+        def test_sequential():
+            pass
         """))
     (tmp_path / "whole.txt").write_text("test_p.py::test_whole\n")
     (tmp_path / "done.txt").write_text("test_p.py::test_whole[1]\n")
     events = tmp_path / "events.jsonl"
     result = subprocess.run([
         sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "upstream_tests_plugin",
-        "--upstream-tests-one-per-function=whole.txt", "--upstream-tests-done=done.txt", "-v", "test_p.py"
+        "--upstream-tests-one-per-function=whole.txt", "--upstream-tests-done=done.txt", "-v", "-m",
+        "not sequential", "-p", "no:warnings", "test_p.py"
     ], cwd=tmp_path, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT / "tools"),
                                                           "DS_UPSTREAM_TESTS_LOG": str(events)})
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "2 passed, 3 deselected" in result.stdout
+    assert "2 passed, 4 deselected" in result.stdout
     lines = [json.loads(line) for line in events.read_text().splitlines()]
     assert [e["nodeids"] for e in lines if e["event"] == "collected"] == [["test_p.py::test_dup[1]",
                                                                            "test_p.py::test_whole[2]"]]
     assert [e["nodeid"] for e in lines if e["event"] == "finish"] == ["test_p.py::test_dup[1]", "test_p.py::test_whole[2]"]
+
+
+def test_runner_and_plugin_agree_on_names():
+    import upstream_tests_plugin as plugin
+
+    assert (ut.PLUGIN, ut.PLUGIN_LOG_ENV, ut.PLUGIN_PRELOAD_ENV) == (plugin.__name__, plugin.LOG_ENV, plugin.PRELOAD_ENV)
