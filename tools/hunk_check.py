@@ -42,6 +42,7 @@ As a pytest plugin (``-p hunk_check``, this folder on ``PYTHONPATH``) the module
 from __future__ import annotations
 
 import argparse
+import ast
 import hashlib
 import json
 import os
@@ -175,6 +176,13 @@ class Hunk:
         added = [i for i, line in enumerate(self.body) if line[:1] == "+" and line[1:].strip()][:count]
         return [self.body[i] for i in sorted(removed + added)]
 
+    def code_changed(self, new_text: str | None) -> bool:
+        """Whether undoing the hunk changes the file's code, not only its comments and docstrings."""
+        try:
+            return _code(new_text) != _code(self.reverse(new_text))
+        except SyntaxError:
+            return True
+
     def line_range(self) -> str:
         if self.new_len == 0:
             return f"removes lines before new line {self.new_start + 1}"
@@ -190,6 +198,20 @@ class Hunk:
         if old_is_empty and start <= 0 and self.new_len == len(lines):
             return None
         return "".join(lines[:start] + self.old_lines + lines[start + self.new_len:])
+
+
+def _code(text: str | None) -> str:
+    """A file's syntax tree without docstrings (comments are not in it), as text."""
+    if text is None:
+        return ""
+    tree = ast.parse(text)
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if (isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and body
+                and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
+                and isinstance(body[0].value.value, str)):
+            node.body = body[1:] or [ast.Pass()]
+    return ast.dump(tree)
 
 
 _HUNK_RE = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@")
@@ -385,7 +407,7 @@ class Result:
     header: str
     lines: str
     changes: list[str]
-    outcome: str  # noticed | hang | import-error | not-noticed | no-tests
+    outcome: str  # noticed | hang | import-error | not-noticed | no-tests | comments-only
     test: str = ""
     message: str = ""
     seconds: float = 0.0
@@ -780,15 +802,22 @@ class Checker:
         self.snapshot()
         self.site = self.site_deepspeed()
         self.managed = self.managed_files()
-        original = self.originals()
-        self.write_files(original)
-        self.build_ops()
         self.load_results()
         series = self.series()
         wanted = self.args.prs or series
         unknown = [p for p in wanted if p not in series]
         if unknown:
             raise SystemExit(f"error: not in the {self.base} series: {', '.join(unknown)}")
+        if self.args.report_only:  # reads the virtualenv, writes nothing into it
+            for pr in series:
+                self.check_pr(pr)
+            self.save_results()
+            self.write_report(series)
+            log(f"report: {self.report_path}")
+            return 0
+        original = self.originals()
+        self.write_files(original)
+        self.build_ops()
         log(f"deepspeed {self.installed_version} in {self.venv}; series of main {self.commit[:12]}: {len(series)} PRs")
         self.project_tests = self.collect_project()
         try:
@@ -810,11 +839,15 @@ class Checker:
         if not hunks:
             log(f"{pr}: no production hunks")
             return
+        state = self.state_at(pr)
+        comment_only = {h.key: not h.code_changed(_text(state[h.file])) for h in hunks}
         for h in hunks:  # results kept from an earlier run: the report shows the lines as this version cuts them
             if h.key in self.results:
                 self.results[h.key]["changes"] = h.first_changes()
+                self.results[h.key]["comment_only"] = comment_only[h.key]
+        if self.args.report_only:
+            return
         todo = [h for h in hunks if h.key not in self.results]
-        state = self.state_at(pr)
         if not todo:
             log(f"{pr}: all {len(hunks)} hunks done earlier")
             self.check_wider(pr, hunks, state)
@@ -830,14 +863,17 @@ class Checker:
         self.save_results()
         noticers: list[str] = []
         for hunk in todo:
-            if not any(s.tests for s in suites):
+            if comment_only[hunk.key]:  # nothing a test could notice
+                result = Result(hunk.key, pr, hunk.file, hunk.index, hunk.header, hunk.line_range(),
+                                hunk.first_changes(), "comments-only")
+            elif not any(s.tests for s in suites):
                 result = Result(hunk.key, pr, hunk.file, hunk.index, hunk.header, hunk.line_range(),
                                 hunk.first_changes(), "no-tests")
             else:
                 result = self.check_hunk(hunk, state, suites, noticers)
             if result.test and result.outcome in ("noticed", "hang") and result.test not in noticers:
                 noticers.insert(0, result.test)
-            self.results[hunk.key] = asdict(result)
+            self.results[hunk.key] = {**asdict(result), "comment_only": comment_only[hunk.key]}
             self.save_results()
             log(f"{pr} {hunk.file} #{hunk.index} ({hunk.line_range()}): {describe(result)} [{result.seconds:.0f} s]")
         self.check_wider(pr, hunks, state)
@@ -885,27 +921,32 @@ class Checker:
         rows.sort(key=lambda r: (order.get(r["pr"], 99), r["file"], r["index"]))
         counts: dict[str, dict[str, int]] = {}
         for r in rows:
-            counts.setdefault(r["pr"], {}).setdefault(r["outcome"], 0)
-            counts[r["pr"]][r["outcome"]] += 1
+            counts.setdefault(r["pr"], {}).setdefault(category(r), 0)
+            counts[r["pr"]][category(r)] += 1
+        in_tree = ", plus the `tests/unit` files its patch adds or changes (upstream's `DistributedTest` harness, run " \
+            "from a copy of the tree's `tests/`)" if self.base != "0.19.3" else ""
         lines = [
             f"# Hunk-removal check: the {self.base} series",
             "",
-            f"Checked: main at `{self.commit}` (`git archive`, its `patches/deepspeed-{self.base}/` materialized), "
-            f"against deepspeed `{self.installed_version}` installed in a virtualenv with each PR's `deepspeed/` files "
-            f"written over it. Written by `python3 tools/hunk_check.py --base {self.base}` "
-            f"({time.strftime('%Y-%m-%d')}); see `tests/README.md`, \"Hunk-removal check\".",
+            f"Checked: the committed series of main at `{self.commit}` (`git archive` of that commit, its "
+            f"`patches/deepspeed-{self.base}/` materialized; uncommitted work is not in it), against deepspeed "
+            f"`{self.installed_version}` installed in a virtualenv with each PR's `deepspeed/` files written over it. "
+            f"Command: `nice python3 tools/hunk_check.py --base {self.base}` ({time.strftime('%Y-%m-%d')}); see "
+            "tests/README.md, \"Hunk-removal check\".",
             "",
-            "Each production hunk (the PR's diff in `deepspeed/`, as in its patch: 3 lines of context) was undone alone "
-            "in the tree as of its PR, and that PR's tests ran (world size 2, core configurations, `-x`"
-            f"{', plus the in-tree tests/unit files its patch adds or changes' if self.base != '0.19.3' else ''}). "
-            "*noticed by* names the first test that failed; *NOT NOTICED*: every test passed without the hunk. "
-            "*import error*: the file without the hunk does not compile or import (weak evidence: no test of the "
-            "behaviour). *hang*: a test or the whole run timed out.",
+            "Each production hunk (the PR's diff in `deepspeed/`, cut as in its patch, 3 lines of context) was undone "
+            "alone in the tree as of its PR, and that PR's tests ran with `-x`: the project's tests that belong to it "
+            f"(world size 2, `--paths core`, without tests/tinker_server and tests/tooling){in_tree}. "
+            "*noticed by* names the first test that failed; **NOT NOTICED**: every one of them passed without the "
+            "hunk. *comments only*: the hunk changes comments or docstrings only (the syntax trees without docstrings "
+            "are equal), so no test can notice it; not flagged. *import error*: the file without the hunk does not "
+            "compile or import (weak evidence: no test of the behaviour). *hang*: a test or the whole run timed out.",
             "",
             "## Summary",
             "",
-            "| PR | hunks | noticed | hang | import error | NOT NOTICED | baseline (passed / failed / skipped, time) |",
-            "| --- | --- | --- | --- | --- | --- | --- |",
+            "| PR | hunks | noticed | hang | import error | comments only | NOT NOTICED | baseline: passed / failed / "
+            "skipped, time |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- |",
         ]
         for pr in series:
             if pr not in counts:
@@ -914,20 +955,31 @@ class Checker:
             b = self.baselines.get(pr, {})
             base_cell = (f"{b.get('tests', 0)} / {len(b.get('failed', []))} / {b.get('skipped', 0)}, "
                          f"{b.get('seconds', 0):.0f} s" if b else "")
-            lines.append(
-                f"| `{pr}` | {sum(c.values())} | {c.get('noticed', 0)} | {c.get('hang', 0)} | "
-                f"{c.get('import-error', 0)} | {c.get('not-noticed', 0) + c.get('no-tests', 0)} | {base_cell} |")
-        flagged = [r for r in rows if r["outcome"] in ("not-noticed", "no-tests")]
+            lines.append(f"| `{pr}` | {sum(c.values())} | {c.get('noticed', 0)} | {c.get('hang', 0)} | "
+                         f"{c.get('import-error', 0)} | {c.get('comments-only', 0)} | "
+                         f"{c.get('not-noticed', 0) + c.get('no-tests', 0)} | {base_cell} |")
+        total = {
+            k: sum(c.get(k, 0) for c in counts.values())
+            for k in ("noticed", "hang", "import-error", "comments-only", "not-noticed", "no-tests")
+        }
+        lines.append(f"| all | {len(rows)} | {total['noticed']} | {total['hang']} | {total['import-error']} | "
+                     f"{total['comments-only']} | {total['not-noticed'] + total['no-tests']} | |")
+        flagged = [r for r in rows if category(r) in ("not-noticed", "no-tests")]
         lines += ["", f"## Flagged: no test notices these hunks ({len(flagged)})", ""]
         if not flagged:
             lines.append("None.")
         for r in flagged:
             lines += hunk_block(r)
-        weak = [r for r in rows if r["outcome"] == "import-error"]
+        weak = [r for r in rows if category(r) == "import-error"]
         if weak:
             lines += ["", f"## Noticed only as an import error ({len(weak)})", ""]
             for r in weak:
                 lines += hunk_block(r)
+        comments = [r for r in rows if category(r) == "comments-only"]
+        if comments:
+            lines += ["", f"## Comments and docstrings only, not flagged ({len(comments)})", ""]
+            for r in comments:
+                lines.append(f"- `{r['pr']}`, `{r['file']}`, hunk #{r['index']} `{r['header']}` ({r['lines']})")
         failing = {pr: b for pr, b in self.baselines.items() if b.get("failed")}
         if failing:
             lines += ["", "## Baseline failures (left out of the check)", ""]
@@ -941,8 +993,9 @@ class Checker:
             lines.append(f"| `{r['pr']}` | `{r['file']}` | #{r['index']} `{r['header']}` | {r['lines']} | "
                          f"{describe_md(r)} | {r['seconds']:.0f} |")
         lines += [
-            "", f"Check time: {sum(r['seconds'] for r in rows) / 60:.0f} min in hunk runs, "
-            f"{sum(b.get('seconds', 0) for b in self.baselines.values()) / 60:.0f} min in baselines.", ""
+            "", f"Time: {sum(r['seconds'] for r in rows) / 60:.0f} min in the hunks' runs, "
+            f"{sum(b.get('seconds', 0) for b in self.baselines.values()) / 60:.0f} min in the baselines (2 cores, "
+            "shared with other work).", ""
         ]
         self.report_path.parent.mkdir(parents=True, exist_ok=True)
         self.report_path.write_text("\n".join(lines))
@@ -956,14 +1009,26 @@ def describe(r: Result | dict) -> str:
         "import-error": f"noticed (import error) {r['message'][:120]}",
         "not-noticed": "NOT NOTICED",
         "no-tests": "NOT NOTICED (the PR has no tests here)",
-    }[r["outcome"]]
+        "comments-only": "comments or docstrings only (nothing a test can notice)",
+    }[category(r)]
+
+
+def category(r: dict) -> str:
+    """A result's kind in the report: a hunk of comments and docstrings only is not flagged, whatever ran."""
+    if r["outcome"] in ("not-noticed", "no-tests") and r.get("comment_only"):
+        return "comments-only"
+    return r["outcome"]
+
+
+def _text(data: bytes | None) -> str | None:
+    return data.decode() if data is not None else None
 
 
 def describe_md(r: dict) -> str:
     text = describe(r).replace("|", "\\|")
     if r["outcome"] in ("noticed", "hang") and r["test"]:
         text = text.replace(r["test"], f"`{r['test']}`")
-    if r["outcome"] in ("not-noticed", "no-tests"):
+    if category(r) in ("not-noticed", "no-tests"):
         text = f"**{text}**"
     return text
 
@@ -1023,6 +1088,9 @@ def main(argv: list[str] | None = None) -> int:
                         action="store_true",
                         help="for each hunk its PR's tests do not notice, also run the tests of the PRs before it (in "
                         "the same tree) and report whether one of those notices it")
+    parser.add_argument("--report-only",
+                        action="store_true",
+                        help="write the report from the results kept for the commit, running nothing")
     parser.add_argument("--fresh", action="store_true", help="discard results kept from an earlier run of this commit")
     args = parser.parse_args(argv)
     args.venv = args.venv or str(ROOT / f".venv-hunks-{args.base}")

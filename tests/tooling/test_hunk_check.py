@@ -54,3 +54,13 @@ def test_no_newline_at_end_of_file(tmp_path):
     old, new = "a\nb\nc", "a\nb\nc\nd\n"
     hunks = hunk_check.parse_diff("pr", _diff(tmp_path, old, new))
     assert hunks[0].reverse(new) == old
+
+
+def test_a_hunk_of_comments_and_docstrings_is_no_code_change(tmp_path):
+    old = 'def f(x):\n    """Old words."""\n    # old comment\n    return x + 1\n'
+    new = 'def f(x):\n    """New words."""\n    # new comment\n    return x + 1\n'
+    (hunk, ) = hunk_check.parse_diff("pr", _diff(tmp_path, old, new))
+    assert not hunk.code_changed(new)
+    changed = new.replace("x + 1", "x + 2")
+    (hunk, ) = hunk_check.parse_diff("pr", _diff(tmp_path / "b", old, changed))
+    assert hunk.code_changed(changed)
