@@ -681,6 +681,13 @@ def _tail(text: str, lines: int = 12) -> str:
     return "\n".join(kept[-lines:])
 
 
+def _reason(text: str) -> str:
+    """The error line of a failure's text (pytest's last ``E`` line), else its last line."""
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    errors = [line[1:].strip() for line in lines if line.startswith("E ")]
+    return (errors[-1] if errors else lines[-1] if lines else "").replace("|", "\\|")
+
+
 def _minutes(seconds: float) -> str:
     return f"{seconds / 60:.1f} min"
 
@@ -759,7 +766,7 @@ def render_base(results: dict) -> str:
                   "| --- | ---: | --- |"]
         for file, count in sorted(per_file.items()):
             first = next(n for n in both if _file_of(n) == file)
-            reason = _tail(pristine["details"].get(first, ""), 1).replace("|", "\\|")[:160]
+            reason = _reason(pristine["details"].get(first, ""))[:200]
             lines.append(f"| `{file}` | {count} | `{first.split('::', 1)[1]}`: {reason} |")
         lines.append("")
     for name, side in (("pristine", pristine), ("series", series)):
