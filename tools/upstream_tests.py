@@ -124,7 +124,6 @@ PASSING = {"passed", "xpassed"}
 HARNESS_TIMEOUT_MARGIN = 30
 #: The most sessions one side may take (one more after each hang); a guard against a loop.
 MAX_SESSIONS = 60
-#: DeepSpeed's CPU shared-memory all-reduce leaves one of these per rank and port (see NOTES.md).
 #: DeepSpeed's CPU shared-memory all-reduce leaves one of these per rank and port (see NOTES.md); killed rank pools
 #: leave their multiprocessing semaphores.
 SHM_GLOBS = ("deepspeed_allreduce_buffer_*", "sem.mp-*")
