@@ -116,6 +116,11 @@ CI_SUBSET: tuple[str, ...] = (
     "unit/runtime/rollout/test_hybrid_engine_rollout.py",
 )
 
+#: The CI subset's test ids per base (``--subset ci``), when committed: of the first parametrization of each test
+#: function in CI_SUBSET, those that passed on pristine in the committed comparison (docs/upstream-tests.md); a test
+#: that fails or skips on pristine can never be red, so CI does not pay for it. ``--write-ci-ids`` writes it.
+CI_IDS = ROOT / "tests" / "upstream-ci" / "{base}.txt"
+
 #: Outcomes that count as a failure on the series side.
 FAILING = {"failed", "error", "timeout", "crashed", "not collected"}
 PASSING = {"passed", "xpassed"}
@@ -570,6 +575,10 @@ def run_base(base: str, args: argparse.Namespace) -> dict:
         whole = kept_whole(upstream / "tests", work / "series" / "tests", changed)
         (work / "whole.txt").write_text("\n".join(whole) + "\n", encoding="utf-8")
         options = (f"--upstream-tests-one-per-function={work / 'whole.txt'}", )
+        ids = Path(str(CI_IDS).format(base=base))
+        if ids.is_file():
+            options += (f"--upstream-tests-keep={ids}", )
+            log(f"{base}: the CI subset's test ids from {ids.relative_to(ROOT)}")
     paths: list[str] = []
     for side in (pristine, series_side):
         t0 = time.monotonic()
@@ -820,6 +829,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--report", default=None,
                         help="markdown report to write (default: docs/upstream-tests.md for a full run of every "
                         "base, else <out>/report.md)")
+    parser.add_argument("--write-ci-ids", action="store_true",
+                        help=f"write {CI_IDS.relative_to(ROOT)} from an earlier --subset ci run's results.json: the "
+                        "ids that passed on pristine (not those kept whole: they always run)")
     parser.add_argument("--available", action="store_true",
                         help="only check that upstream's tests are here for the base(s): exit 0 if so, else 1")
     parser.add_argument("--report-only", action="store_true",
@@ -831,6 +843,19 @@ def main(argv: list[str] | None = None) -> int:
     whole = args.subset == "full" and not args.paths and set(bases) == set(stack.available_bases())
     report = Path(args.report) if args.report else (ROOT / "docs" / "upstream-tests.md" if whole else
                                                    Path(args.out) / "report.md")
+    if args.write_ci_ids:
+        for base in bases:
+            results = json.loads((Path(args.out) / base / "results.json").read_text(encoding="utf-8"))
+            if results["subset"] != "ci":
+                parser.error(f"{base}: the results are of a --subset {results['subset']} run, not ci")
+            whole = set(results["kept_whole"])
+            ids = sorted(nodeid for nodeid, outcome in results["sides"]["pristine"]["outcomes"].items()
+                         if outcome in PASSING and nodeid.split("[", 1)[0] not in whole and _file_of(nodeid) not in whole)
+            path = Path(str(CI_IDS).format(base=base))
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text("\n".join(ids) + "\n", encoding="utf-8")
+            log(f"{base}: {len(ids)} test ids to {path}")
+        return 0
     if args.available:
         for base in bases:
             try:

@@ -46,6 +46,9 @@ _log: _EventLog | None = None
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--upstream-tests-done", default=None, metavar="FILE",
                      help="deselect the test ids listed in FILE (one per line): finished by an earlier session")
+    parser.addoption("--upstream-tests-keep", default=None, metavar="FILE",
+                     help="with --upstream-tests-one-per-function: keep exactly the test ids listed in FILE (and what "
+                     "is kept whole) instead of the first parametrization of each function")
     parser.addoption("--upstream-tests-one-per-function", default=None, metavar="FILE",
                      help="keep one parametrization (the first collected) of each test function, except those whose "
                      "id without parameters, or whose file, is listed in FILE (kept whole)")
@@ -72,11 +75,13 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     if whole_file:
         # First, so that a resumed session makes the same choice as the first one.
         whole = set(Path(whole_file).read_text(encoding="utf-8").splitlines())
+        keep_file = config.getoption("--upstream-tests-keep")
+        listed = set(Path(keep_file).read_text(encoding="utf-8").splitlines()) if keep_file else None
         seen: set[str] = set()
 
         def wanted(item: pytest.Item) -> bool:
             function = item.nodeid.split("[", 1)[0]
-            first = function not in seen
+            first = function not in seen if listed is None else item.nodeid in listed
             seen.add(function)
             return first or function in whole or item.nodeid.split("::", 1)[0] in whole
 

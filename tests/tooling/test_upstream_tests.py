@@ -170,3 +170,30 @@ def test_runner_and_plugin_agree_on_names():
     import upstream_tests_plugin as plugin
 
     assert (ut.PLUGIN, ut.PLUGIN_LOG_ENV, ut.PLUGIN_PRELOAD_ENV) == (plugin.__name__, plugin.LOG_ENV, plugin.PRELOAD_ENV)
+
+
+def test_plugin_keeps_listed_ids(tmp_path: Path):
+    (tmp_path / "test_k.py").write_text(
+        textwrap.dedent("""
+        import pytest
+
+        @pytest.mark.parametrize("stage", [1, 2, 3])
+        def test_dup(stage):
+            pass
+
+        def test_changed():
+            pass
+
+        def test_fails_on_pristine():
+            pass
+        """))
+    (tmp_path / "whole.txt").write_text("test_k.py::test_changed\n")
+    (tmp_path / "keep.txt").write_text("test_k.py::test_dup[2]\n")
+    result = subprocess.run([
+        sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "upstream_tests_plugin",
+        "--upstream-tests-one-per-function=whole.txt", "--upstream-tests-keep=keep.txt", "-v", "-p", "no:warnings",
+        "test_k.py"
+    ], cwd=tmp_path, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT / "tools")})
+    assert "2 passed, 3 deselected" in result.stdout, result.stdout
+    result_lines = [line for line in result.stdout.splitlines() if "PASSED" in line]
+    assert [line.split(" ")[0] for line in result_lines] == ["test_k.py::test_dup[2]", "test_k.py::test_changed"]
