@@ -389,7 +389,7 @@ def shm_files() -> set[Path]:
 class Suite:
     """One pytest invocation's worth of a PR's tests: where it runs and the node ids, in run order."""
 
-    name: str  # "project" or "in-tree"
+    name: str  # "project", "earlier" or "in-tree-<file>"
     cwd: Path
     env: dict
     args: list[str]
@@ -599,7 +599,10 @@ class Checker:
                 "LOCAL_SIZE": "2",
                 "DS_UNITTEST_TIMEOUT": str(int(self.args.rank_timeout))
             }
-            suites.append(Suite("in-tree", copy, env, [], files))
+            # One run per file: upstream's harness ends the whole pytest session when one test hangs
+            # (DS_UNITTEST_TIMEOUT), which would leave the other files unrun.
+            for file in files:
+                suites.append(Suite(f"in-tree-{Path(file).stem}", copy, env, [], [file]))
         return suites
 
     def _exists(self, rev: str, path: str) -> bool:
