@@ -430,6 +430,7 @@ class Checker:
         self.logs = self.work / "logs"
         self.report_path = Path(args.report) if args.report else ROOT / "docs" / f"hunk-check-{self.base}.md"
         self.results: dict[str, dict] = {}
+        self.hunk_counts: dict[str, int] = {}
         self.baselines: dict[str, dict] = {}
         self.started = time.time()
         self.env = self._test_env()
@@ -839,6 +840,7 @@ class Checker:
         diff = git(self.tree, "diff", "--no-color", "--no-ext-diff", f"-U{self.args.context}", f"{pr}~1", pr, "--",
                    "deepspeed")
         hunks = [h for h in parse_diff(pr, diff) if h.file.endswith(".py")]
+        self.hunk_counts[pr] = len(hunks)
         if not hunks:
             log(f"{pr}: no production hunks")
             return
@@ -967,6 +969,10 @@ class Checker:
         }
         lines.append(f"| all | {len(rows)} | {total['noticed']} | {total['hang']} | {total['import-error']} | "
                      f"{total['comments-only']} | {total['not-noticed'] + total['no-tests']} | |")
+        undone = [(pr, n - sum(counts.get(pr, {}).values())) for pr, n in self.hunk_counts.items()
+                  if n > sum(counts.get(pr, {}).values())]
+        if undone:
+            lines += ["", "Not checked (yet): " + ", ".join(f"`{pr}` ({n} hunks)" for pr, n in undone) + "."]
         flagged = [r for r in rows if category(r) in ("not-noticed", "no-tests")]
         lines += ["", f"## Flagged: no test notices these hunks ({len(flagged)})", ""]
         if not flagged:
