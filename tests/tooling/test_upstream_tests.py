@@ -78,8 +78,8 @@ def test_kept_whole_names_new_files_and_changed_functions(tmp_path: Path):
     upstream, series = tmp_path / "upstream", tmp_path / "series"
     (upstream / "unit").mkdir(parents=True)
     (series / "unit").mkdir(parents=True)
-    (upstream / "unit" / "test_x.py").write_text(
-        textwrap.dedent("""
+    # One file, two versions: the series changes one method's body and one decorator, and adds a function
+    template = textwrap.dedent("""
         import pytest
 
         @pytest.mark.parametrize("stage", [1, 2])
@@ -88,39 +88,19 @@ def test_kept_whole_names_new_files_and_changed_functions(tmp_path: Path):
                 assert True
 
             def test_changed(self, stage):
-                with pytest.raises(AssertionError):
+                with pytest.raises({error}):
                     pass
 
         def test_plain():
             pass
 
-        @pytest.mark.parametrize("n", [1])
+        @pytest.mark.parametrize("n", {values})
         def test_decorator_changes(n):
             pass
-        """))
+        """)
+    (upstream / "unit" / "test_x.py").write_text(template.format(error="AssertionError", values="[1]"))
     (series / "unit" / "test_x.py").write_text(
-        textwrap.dedent("""
-        import pytest
-
-        @pytest.mark.parametrize("stage", [1, 2])
-        class TestA:
-            def test_same(self, stage):
-                assert True
-
-            def test_changed(self, stage):
-                with pytest.raises(ValueError):
-                    pass
-
-        def test_plain():
-            pass
-
-        @pytest.mark.parametrize("n", [1, 2])
-        def test_decorator_changes(n):
-            pass
-
-        def test_added():
-            pass
-        """))
+        template.format(error="ValueError", values="[1, 2]") + "\n\ndef test_added():\n    pass\n")
     (series / "unit" / "test_new.py").write_text("def test_new():\n    pass\n")
     changed = ut.series_changed_files(upstream, series, ("unit", ))
     assert changed == ["unit/test_new.py", "unit/test_x.py"]
