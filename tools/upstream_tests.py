@@ -124,6 +124,8 @@ CI_IDS = ROOT / "tests" / "upstream-ci" / "{base}.txt"
 #: Outcomes that count as a failure on the series side.
 FAILING = {"failed", "error", "timeout", "crashed", "not collected"}
 PASSING = {"passed", "xpassed"}
+#: The outcome of a test the time limit (``--time-limit``) left unrun: neither passing nor failing.
+NOT_RUN = "not run"
 #: Seconds a hung harness waits before ending the session itself (``DS_UNITTEST_TIMEOUT``): below --timeout, so
 #: that the harness's own message comes first when it can.
 HARNESS_TIMEOUT_MARGIN = 30
@@ -152,6 +154,9 @@ class Side:
     seconds: float = 0.0
     install_seconds: float = 0.0
     sessions: int = 0
+    #: Run only on the series' failures (``--pristine on-failure``): a test it did not run passed there in the
+    #: committed comparison the CI ids come from.
+    partial: bool = False
 
 
 def log(message: str) -> None:
@@ -180,6 +185,12 @@ def upstream_tests_folder(base: str) -> tuple[Path, str]:
                          f"${UPSTREAM_TESTS_ENV.format(base.replace('.', '_'))} to a folder holding them (e.g. "
                          "`git clone https://github.com/deepspeedai/DeepSpeed` checked out at that revision)")
     return folder.resolve(), revision
+
+
+def venv_of(python: str) -> Path:
+    """The virtualenv of ``<venv>/bin/python``. Not ``resolve()``: a virtualenv's python is a symlink to the
+    interpreter it was made from, and following it would install both sides into that interpreter instead."""
+    return Path(python).absolute().parent.parent
 
 
 def default_venv(base: str) -> Path:
@@ -257,6 +268,15 @@ for name in sys.argv[1:]:
         continue
     builder.load(verbose=False)
 """
+
+
+def require_virtualenv(python: Path) -> None:
+    """Both sides are installed with pip into ``python``'s environment: refuse one that is not a virtualenv (a
+    system interpreter would get DeepSpeed, and whatever torch pip picks, installed into it)."""
+    out = subprocess.run([str(python), "-c", "import sys; print(sys.prefix != sys.base_prefix)"], check=True,
+                         capture_output=True, text=True).stdout.strip()
+    if out != "True":
+        raise SystemExit(f"error: {python} is not the Python of a virtualenv; pass --python <venv>/bin/python")
 
 
 def build_ops(python: Path, env: dict[str, str]) -> None:
@@ -435,12 +455,19 @@ def _kill_session(proc: subprocess.Popen) -> None:
 
 
 def run_side(python: Path, side_dir: Path, paths: list[str], env: dict[str, str], timeout: int, side: Side,
-             only: list[str] | None = None, options: tuple[str, ...] = ()) -> None:
+             only: list[str] | None = None, options: tuple[str, ...] = (), deadline: float | None = None,
+             label: str = "") -> None:
     """Run pytest over ``paths`` in ``side_dir/tests`` until every collected test has an outcome, one session after
-    another: a session that hangs is killed (its running test is ``timeout``) and the next deselects what is done."""
-    events = side_dir / ("events-rerun.jsonl" if only else "events.jsonl")
+    another: a session that hangs is killed (its running test is ``timeout``) and the next deselects what is done.
+    With ``only``, just those test ids (collected from ``paths``). Past ``deadline`` (``time.monotonic()``), the
+    session is killed and every test without an outcome is ``not run``."""
+    tag = f"-{label}" if label else ("-rerun" if only else "")
+    events = side_dir / f"events{tag}.jsonl"
     events.unlink(missing_ok=True)
     done_file = side_dir / "done.txt"
+    only_file = side_dir / f"only{tag}.txt"
+    if only:
+        only_file.write_text("\n".join(only) + "\n", encoding="utf-8")
     outcome: dict[str, str] = {}
     expected: list[str] | None = None
     reports: dict[str, list[dict]] = {}
@@ -450,9 +477,9 @@ def run_side(python: Path, side_dir: Path, paths: list[str], env: dict[str, str]
         done_file.write_text("\n".join(outcome) + "\n", encoding="utf-8")
         argv = [str(python), "-m", "pytest", "-p", "no:cacheprovider", "-p", PLUGIN,
                 f"--basetemp={side_dir / 'tmp'}", f"--upstream-tests-done={done_file}", "--continue-on-collection-errors",
-                "-q", "-rN", *(() if only else options), *(only if only else paths)]
+                "-q", "-rN", *((f"--upstream-tests-only={only_file}", ) if only else options), *paths]
         shm_before = _shm_files()
-        out_path = side_dir / f"pytest{'-rerun' if only else ''}-{session}.log"
+        out_path = side_dir / f"pytest{tag}-{session}.log"
         with out_path.open("w") as out:
             proc = subprocess.Popen(argv, cwd=side_dir / "tests", env={**env, PLUGIN_LOG_ENV:
                                                                         str(events)},
@@ -460,6 +487,7 @@ def run_side(python: Path, side_dir: Path, paths: list[str], env: dict[str, str]
             offset = 0
             running: tuple[str, float] | None = None
             killed = False
+            out_of_time = False
             ended = False
             while True:
                 finished = proc.poll() is not None
@@ -490,6 +518,11 @@ def run_side(python: Path, side_dir: Path, paths: list[str], env: dict[str, str]
                         running = None
                 if finished:
                     break
+                if deadline is not None and time.monotonic() > deadline:
+                    log(f"{side.name}: the time limit ran out: killing the session")
+                    _kill_session(proc)
+                    killed = out_of_time = True
+                    break
                 if running is not None and time.monotonic() - running[1] > timeout:
                     log(f"{side.name}: {running[0]} ran over {timeout} s: killing the session")
                     _kill_session(proc)
@@ -501,6 +534,12 @@ def run_side(python: Path, side_dir: Path, paths: list[str], env: dict[str, str]
             log(f"removed {removed} shared-memory all-reduce buffer(s) the ranks left in /dev/shm")
         if killed:
             clear_stale_locks(env)
+        if out_of_time:
+            for nodeid in ([running[0]] if running else []) + [n for n in expected or only or [] if n not in outcome]:
+                outcome[nodeid] = NOT_RUN
+                side.details[nodeid] = "the time limit (--time-limit) ran out before it ended"
+            log(f"{side.name}: {sum(v == NOT_RUN for v in outcome.values())} test(s) not run")
+            break
         if running is not None:
             nodeid = running[0]
             outcome[nodeid] = "timeout"
@@ -552,16 +591,18 @@ def run_base(base: str, args: argparse.Namespace) -> dict:
     stack.use_base(base)
     series = stack.read_series()
     upstream, revision = upstream_tests_folder(base)
-    venv = Path(args.python).resolve().parent.parent if args.python else default_venv(base)
+    venv = venv_of(args.python) if args.python else default_venv(base)
     env = side_env(base, venv, args.local_size, args.timeout, args.preload)
-    python = Path(args.python).resolve() if args.python else ensure_venv(base, venv, env)
+    python = Path(args.python).absolute() if args.python else ensure_venv(base, venv, env)
+    require_virtualenv(python)
     work = Path(args.out).resolve() / base
     work.mkdir(parents=True, exist_ok=True)
     prefix_dir = work / "build"
     scope = tuple(args.paths) if args.paths else FULL_SCOPE
     patterns = scope if args.subset == "full" else CI_SUBSET
-    pristine, series_side = Side("pristine", 0), Side("series", len(series))
+    pristine, series_side = Side("pristine", 0, partial=args.pristine == "on-failure"), Side("series", len(series))
     started = time.monotonic()
+    deadline = started + args.time_limit if args.time_limit else None
     # The series' tree first, uninstalled: it gives both sides' harness and the test files the PRs change. Then
     # pristine, then the series: it stays installed, for rerunning red tests and for whatever runs next.
     stack.PREFIX_DIR = work / "trees"
@@ -571,16 +612,18 @@ def run_base(base: str, args: argparse.Namespace) -> dict:
     changed = series_changed_files(upstream / "tests", work / "series" / "tests", scope)
     options: tuple[str, ...] = ()
     whole: list[str] = []
+    listed: list[str] = []
     if args.subset == "ci":
         whole = kept_whole(upstream / "tests", work / "series" / "tests", changed)
         (work / "whole.txt").write_text("\n".join(whole) + "\n", encoding="utf-8")
         options = (f"--upstream-tests-one-per-function={work / 'whole.txt'}", )
         ids = Path(str(CI_IDS).format(base=base))
         if ids.is_file():
+            listed = ids.read_text(encoding="utf-8").split()
             options += (f"--upstream-tests-keep={ids}", )
             log(f"{base}: the CI subset's test ids from {ids.relative_to(ROOT)}")
-    paths: list[str] = []
-    for side in (pristine, series_side):
+
+    def install_side(side: Side) -> None:
         t0 = time.monotonic()
         log(f"{base} {side.name}: stack.py install --upto {side.upto} into {venv}")
         tree = install(python, base, side.upto, prefix_dir, env)
@@ -588,26 +631,63 @@ def run_base(base: str, args: argparse.Namespace) -> dict:
         expected = stack.version_for(side.upto)
         if side.version != expected:
             raise SystemExit(f"error: installed deepspeed is {side.version}, expected {expected}")
-        if side is pristine:
+        if side is pristine and not (work / "pristine" / "tests").is_dir():
             lay_out_tests(upstream, tree, work / "pristine")
             shutil.copy2(work / "series" / "tests" / "unit" / "common.py",
                          work / "pristine" / "tests" / "unit" / "common.py")
         build_ops(python, env)
-        side.install_seconds = time.monotonic() - t0
-        paths = select_paths(work / side.name / "tests", scope, patterns, changed)
-        log(f"{base} {side.name} ({side.version}): pytest {' '.join(paths)}")
-        run_side(python, work / side.name, paths, env, args.timeout, side, options=options)
-    verdicts = compare(pristine, series_side, changed)
-    red = [nodeid for nodeid, kind in verdicts.items() if kind == "red"]
+        side.install_seconds += time.monotonic() - t0
+
+    # The test files the series adds or changes first: what a time limit cuts is upstream's unchanged tests.
+    changed_tests = tuple(path for path in changed if path.rsplit("/", 1)[-1].startswith("test_"))
+    paths = select_paths(work / "series" / "tests", scope, changed_tests + patterns, [])
+    pristine.version = stack.version_for(pristine.upto)
+    if (work / "pristine").exists():
+        shutil.rmtree(work / "pristine")
+    if not pristine.partial:
+        install_side(pristine)
+        pristine_paths = select_paths(work / "pristine" / "tests", scope, changed_tests + patterns, [])
+        log(f"{base} pristine ({pristine.version}): pytest {' '.join(pristine_paths)}")
+        run_side(python, work / "pristine", pristine_paths, env, args.timeout, pristine, options=options,
+                 deadline=deadline)
+    install_side(series_side)
+    log(f"{base} series ({series_side.version}): pytest {' '.join(paths)}")
+    run_side(python, work / "series", paths, env, args.timeout, series_side, options=options, deadline=deadline)
+    if listed and not any(v == NOT_RUN for v in series_side.outcomes.values()):
+        # A test id pristine passed that the series does not collect: the comparison below decides (renamed with
+        # its changed file, or red).
+        for nodeid in listed:
+            series_side.outcomes.setdefault(nodeid, "not collected")
+    # Failing on the series and not known to fail on pristine: each could be red.
+    failing = [
+        nodeid for nodeid, outcome in series_side.outcomes.items()
+        if outcome in FAILING and pristine.outcomes.get(nodeid, "passed") in PASSING
+    ]
     flaky: dict[str, str] = {}
-    if red:
-        log(f"{base}: {len(red)} red test(s): running them once more on the series")
+    if failing and (deadline is None or time.monotonic() < deadline):
+        log(f"{base}: {len(failing)} test(s) fail on the series: running them once more there")
         rerun = Side("series-rerun", series_side.upto)
-        run_side(python, work / "series", paths, env, args.timeout, rerun, only=red)
-        for nodeid in red:
+        run_side(python, work / "series", paths, env, args.timeout, rerun, only=failing, deadline=deadline)
+        for nodeid in failing:
             if rerun.outcomes.get(nodeid) in PASSING:
-                verdicts[nodeid] = "flaky"
                 flaky[nodeid] = series_side.details.get(nodeid, "")
+        failing = [nodeid for nodeid in failing if nodeid not in flaky]
+    if pristine.partial and failing:
+        if deadline is not None and time.monotonic() > deadline:
+            log(f"{base}: no time left to run the {len(failing)} failing test(s) on pristine: each counts as red")
+        else:
+            log(f"{base}: running the {len(failing)} test(s) that fail on the series on pristine")
+            install_side(pristine)
+            files = {_file_of(nodeid): None for nodeid in failing}
+            on_pristine = [path for path in files if (work / "pristine" / "tests" / path).is_file()]
+            if on_pristine:
+                run_side(python, work / "pristine", on_pristine, env, args.timeout, pristine, only=failing,
+                         label="failures", deadline=deadline)
+            install_side(series_side)  # what runs next uses the series
+    pristine_files = {p.relative_to(upstream / "tests").as_posix() for p in (upstream / "tests").rglob("*.py")}
+    verdicts = compare(pristine, series_side, changed, pristine_files)
+    for nodeid in flaky:
+        verdicts[nodeid] = "flaky"
     results = {
         "base": base,
         "revision": revision,
@@ -628,7 +708,7 @@ def run_base(base: str, args: argparse.Namespace) -> dict:
             s.name: {
                 "version": s.version, "outcomes": s.outcomes, "details": s.details, "durations": s.durations,
                 "collect_errors": s.collect_errors, "seconds": s.seconds, "install_seconds": s.install_seconds,
-                "sessions": s.sessions
+                "sessions": s.sessions, "partial": s.partial
             }
             for s in (pristine, series_side)
         },
@@ -648,10 +728,13 @@ def _file_of(nodeid: str) -> str:
     return nodeid.split("::", 1)[0]
 
 
-def compare(pristine: Side, series: Side, changed: list[str]) -> dict[str, str]:
+def compare(pristine: Side, series: Side, changed: list[str], pristine_files: set[str] | None = None) -> dict[str, str]:
     """A verdict per test id that differs or matters: ``red``, ``removed`` (gone from a file the series changed),
     ``fixed`` (fails on pristine, passes on the series), ``both-fail``, ``new`` (only on the series, not failing),
-    ``changed`` (any other difference of outcome). Ids with the same outcome on both sides are left out."""
+    ``not-run`` (the time limit ran out), ``changed`` (any other difference of outcome). Ids with the same outcome
+    on both sides are left out. When pristine ran only the series' failures (``partial``), a test it did not run
+    counts as passing there (it did in the committed comparison), and a series test is ``new`` only if its file is
+    not in ``pristine_files``."""
     verdicts: dict[str, str] = {}
     changed_set = set(changed)
     series_errors = {_file_of(n) for n in series.collect_errors}
@@ -663,7 +746,9 @@ def compare(pristine: Side, series: Side, changed: list[str]) -> dict[str, str]:
                 verdicts[nodeid] = "removed"
                 continue
             series.outcomes[nodeid] = after = "not collected"
-        if before in PASSING and after in FAILING:
+        if after == NOT_RUN:
+            verdicts[nodeid] = "not-run"
+        elif before in PASSING and after in FAILING:
             verdicts[nodeid] = "red"
         elif before in FAILING and after in PASSING:
             verdicts[nodeid] = "fixed"
@@ -672,8 +757,14 @@ def compare(pristine: Side, series: Side, changed: list[str]) -> dict[str, str]:
         elif before != after:
             verdicts[nodeid] = "changed"
     for nodeid, after in series.outcomes.items():
-        if nodeid not in pristine.outcomes:
-            verdicts[nodeid] = "red" if after in FAILING else "new"
+        if nodeid in pristine.outcomes:
+            continue
+        if after == NOT_RUN:
+            verdicts[nodeid] = "not-run"
+        elif after in FAILING:
+            verdicts[nodeid] = "red"
+        elif not pristine.partial or pristine_files is None or _file_of(nodeid) not in pristine_files:
+            verdicts[nodeid] = "new"
     return verdicts
 
 
@@ -717,6 +808,15 @@ def render_base(results: dict) -> str:
         f"**{len(red)} test(s) pass on pristine and fail on the series.**",
         "",
     ]
+    if pristine.get("partial"):
+        lines += [f"Pristine ran only the tests that fail on the series (`--pristine on-failure`): every other test "
+                  f"id of the subset passed on pristine in the committed comparison (`tests/upstream-ci/{base}.txt`).",
+                  ""]
+    not_run = [n for n, v in verdicts.items() if v == "not-run"]
+    if not_run:
+        files = sorted({_file_of(n) for n in not_run})
+        lines += [f"**{len(not_run)} test(s) not run: the time limit (`--time-limit`) ran out** (in " +
+                  ", ".join(f"`{f}`" for f in files) + ").", ""]
     if results["changed_files"]:
         lines += ["Test files the series adds or changes (run on the series in its own version): " +
                   ", ".join(f"`{f}`" for f in results["changed_files"]) + ".", ""]
@@ -819,6 +919,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--python", help="the Python of an existing virtualenv to install both sides into (e.g. "
                         "CI's); default .venv-upstream-<base>/bin/python, created if missing. Only with one --base")
     parser.add_argument("--timeout", type=int, default=300, help="seconds one test may run (default 300)")
+    parser.add_argument("--pristine", choices=("always", "on-failure"), default="always",
+                        help="run every test on pristine too (default), or only those that fail on the series: "
+                        "with --subset ci the committed ids passed on pristine, so the verdicts are the same in "
+                        "about half the time")
+    parser.add_argument("--time-limit", type=int, default=None, metavar="SECONDS",
+                        help="stop running tests after this many seconds (each base): what did not run is "
+                        "reported as not run, and counts as neither passing nor failing")
     parser.add_argument("--local-size", type=int, default=2,
                         help="ranks the CPU accelerator offers; tests needing more skip (default 2)")
     parser.add_argument("--preload", action=argparse.BooleanOptionalAction, default=True,
@@ -878,6 +985,9 @@ def main(argv: list[str] | None = None) -> int:
         counts = {s: _counts(results["sides"][s]["outcomes"]) for s in ("pristine", "series")}
         log(f"{results['base']}: pristine {counts['pristine']}; series {counts['series']}; "
             f"{len(red)} red, {_minutes(results['seconds'])}")
+        not_run = sum(v == "not-run" for v in results["verdicts"].values())
+        if not_run:
+            log(f"WARNING: {results['base']}: {not_run} test(s) not run: the time limit ran out")
         for nodeid in red:
             log(f"  RED {nodeid}: pristine {results['sides']['pristine']['outcomes'].get(nodeid, '-')}, series "
                 f"{results['sides']['series']['outcomes'].get(nodeid)}")

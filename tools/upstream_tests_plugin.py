@@ -49,6 +49,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--upstream-tests-keep", default=None, metavar="FILE",
                      help="with --upstream-tests-one-per-function: keep exactly the test ids listed in FILE (and what "
                      "is kept whole) instead of the first parametrization of each function")
+    parser.addoption("--upstream-tests-only", default=None, metavar="FILE",
+                     help="run only the test ids listed in FILE (one per line): a rerun of some tests of a session")
     parser.addoption("--upstream-tests-one-per-function", default=None, metavar="FILE",
                      help="keep one parametrization (the first collected) of each test function, except those whose "
                      "id without parameters, or whose file, is listed in FILE (kept whole)")
@@ -86,6 +88,10 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
             return first or function in whole or item.nodeid.split("::", 1)[0] in whole
 
         _deselect(config, items, wanted)
+    only_file = config.getoption("--upstream-tests-only")
+    if only_file:
+        only = set(Path(only_file).read_text(encoding="utf-8").splitlines())
+        _deselect(config, items, lambda item: item.nodeid in only)
     done_file = config.getoption("--upstream-tests-done")
     if done_file:
         done = set(Path(done_file).read_text(encoding="utf-8").splitlines())

@@ -10,7 +10,10 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tools"))
@@ -177,3 +180,80 @@ def test_plugin_keeps_listed_ids(tmp_path: Path):
     assert "2 passed, 3 deselected" in result.stdout, result.stdout
     result_lines = [line for line in result.stdout.splitlines() if "PASSED" in line]
     assert [line.split(" ")[0] for line in result_lines] == ["test_k.py::test_dup[2]", "test_k.py::test_changed"]
+
+
+def test_compare_with_pristine_run_only_on_the_series_failures():
+    # --pristine on-failure: pristine ran only what failed on the series; everything else passed there before.
+    pristine = ut.Side("pristine", 0, partial=True, outcomes={"a.py::regressed": "passed", "a.py::upstreams": "failed"})
+    series = _side("series", {
+        "a.py::regressed": "failed",
+        "a.py::upstreams": "failed",
+        "a.py::same": "passed",
+        "a.py::cut": ut.NOT_RUN,
+        "new.py::passes": "passed",
+        "new.py::fails": "failed",
+    })
+    verdicts = ut.compare(pristine, series, changed=["new.py"], pristine_files={"a.py"})
+    assert verdicts == {
+        "a.py::regressed": "red",
+        "a.py::upstreams": "both-fail",
+        "a.py::cut": "not-run",
+        "new.py::passes": "new",
+        "new.py::fails": "red",
+    }
+
+
+def test_python_option_keeps_the_virtualenv(tmp_path: Path):
+    # A virtualenv's bin/python links to the interpreter it was made from: the tool must install into the
+    # virtualenv, not into that interpreter (CI installed DeepSpeed and an unpinned torch into the system Python).
+    interpreter = tmp_path / "system" / "bin" / "python3"
+    interpreter.parent.mkdir(parents=True)
+    interpreter.symlink_to(sys.executable)
+    venv_python = tmp_path / "venv" / "bin" / "python"
+    venv_python.parent.mkdir(parents=True)
+    venv_python.symlink_to(interpreter)
+    assert ut.venv_of(str(venv_python)) == tmp_path / "venv"
+
+
+def test_refuses_a_python_outside_a_virtualenv():
+    base_python = Path(sys.base_prefix) / "bin" / "python3"
+    if sys.prefix == sys.base_prefix or not base_python.exists():
+        pytest.skip("the tests do not run in a virtualenv here")
+    ut.require_virtualenv(Path(sys.executable))
+    with pytest.raises(SystemExit, match="not the Python of a virtualenv"):
+        ut.require_virtualenv(base_python)
+
+
+def test_run_side_stops_at_the_time_limit_and_reruns_only_listed_ids(tmp_path: Path):
+    tests = tmp_path / "side" / "tests"
+    tests.mkdir(parents=True)
+    (tests / "test_t.py").write_text(
+        textwrap.dedent("""
+        import time
+
+        def test_quick():
+            pass
+
+        def test_fails():
+            assert False
+
+        def test_slow():
+            time.sleep(60)
+
+        def test_after():
+            pass
+        """))
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "tools"), "TORCH_EXTENSIONS_DIR": str(tmp_path / "ops")}
+    side = ut.Side("series", 1)
+    ut.run_side(Path(sys.executable), tmp_path / "side", ["test_t.py"], env, timeout=120, side=side,
+                deadline=time.monotonic() + 15)
+    assert side.outcomes == {
+        "test_t.py::test_quick": "passed",
+        "test_t.py::test_fails": "failed",
+        "test_t.py::test_slow": ut.NOT_RUN,
+        "test_t.py::test_after": ut.NOT_RUN,
+    }
+    rerun = ut.Side("series-rerun", 1)
+    ut.run_side(Path(sys.executable), tmp_path / "side", ["test_t.py"], env, timeout=120, side=rerun,
+                only=["test_t.py::test_fails", "test_t.py::test_after"])
+    assert rerun.outcomes == {"test_t.py::test_fails": "failed", "test_t.py::test_after": "passed"}
