@@ -13,8 +13,10 @@ chat (``examples/tinker_server/chat_letters.py``) for RL. The tokenizers come fr
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from tinker_sdk_helpers import API_KEY, require
@@ -24,6 +26,8 @@ pytest.importorskip("tinker_cookbook.rl.train", reason="install requirements/tin
 
 pytestmark = pytest.mark.pr("zero-0-1")
 QWEN, LLAMA = "Qwen/Qwen3-8B", "meta-llama/Llama-3.1-8B"
+#: The replays' tolerance on trained weights: see test_sdk_e2e.py (fp32 on both sides, summation order only).
+WEIGHT_ATOL = 2e-5
 
 
 @pytest.fixture
@@ -90,3 +94,115 @@ def test_rl_basic_with_async_config_raises_the_reward(server, cookbook_env, tmp_
     # Sampling runs beside training (async_config), so the curve is noisy: 14 steps and a margin that a run seen
     # to learn slowly (0.11 -> 0.17 over the first and last three of 10 steps) still clears
     assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.05, f"the reward did not rise: {rewards}"
+
+
+# --- DPO ------------------------------------------------------------------------------------------------------------
+
+WORDS = ["apple", "river", "stone", "cloud", "maple", "tiger", "ocean", "light", "green", "quiet", "bread", "north"]
+
+
+def write_comparisons(path: Path, count: int) -> Path:
+    """A local preference file in the format of the cookbook's ``ComparisonBuilderFromJsonl`` (its
+    ``LabeledComparison`` rows): the same words answered in lowercase (preferred) and in uppercase."""
+    rows = []
+    for i in range(count):
+        words = " ".join(WORDS[(i + k) % len(WORDS)] for k in range(3))
+        convo = [{"role": "user", "content": f"Say three words ({i})."}]
+        lower, upper = [{"role": "assistant", "content": words}], [{"role": "assistant", "content": words.upper()}]
+        label = "A" if i % 2 == 0 else "B"  # the preferred answer on either side
+        rows.append({"comparison": {"prompt_conversation": convo, "completion_A": lower if label == "A" else upper,
+                                    "completion_B": upper if label == "A" else lower}, "label": label})
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def replay_dpo(model_path: Path, lora: "LoraSpec", batches: list[list], learning_rates: list[float], beta: float,
+               adam: dict[str, float]) -> tuple[list[float], dict]:
+    """``train_dpo``'s steps in plain PyTorch, from the DPO paper's formula: per pair
+    ``-log sigmoid(beta * ((chosen - chosen_ref) - (rejected - rejected_ref)))``, the mean over the batch's pairs,
+    each sequence's log-probability the weighted sum of its tokens', the reference the initial weights; one AdamW
+    step per batch. Returns each step's loss and the trained adapters."""
+    import copy
+
+    import torch
+
+    from examples.tinker_server.model import token_logprobs
+    from tinker_sdk_helpers import PlainReplay
+
+    replay = PlainReplay(str(model_path), lora)
+    reference = copy.deepcopy(replay.model).eval()
+    losses = []
+
+    def sequence_logprob(model, datum) -> "torch.Tensor":
+        tokens = torch.tensor([datum.model_input.to_ints()])
+        targets = torch.tensor([datum.loss_fn_inputs["target_tokens"].data])
+        weights = torch.tensor(datum.loss_fn_inputs["weights"].data, dtype=torch.float32)
+        return (token_logprobs(model, tokens, targets)[0] * weights).sum()
+
+    for batch, lr in zip(batches, learning_rates):
+        with torch.no_grad():
+            ref = [sequence_logprob(reference, datum) for datum in batch]
+        policy = [sequence_logprob(replay.model, datum) for datum in batch]
+        pairs = [(policy[i] - ref[i]) - (policy[i + 1] - ref[i + 1]) for i in range(0, len(batch), 2)]
+        loss = torch.stack([-torch.nn.functional.logsigmoid(beta * d) for d in pairs]).mean()
+        loss.backward()
+        replay.optim_step({**adam, "learning_rate": lr})
+        losses.append(float(loss.detach()))
+    return losses, replay.state_dict()
+
+
+def test_dpo_lowers_the_loss_and_equals_a_plain_pytorch_replay(server, cookbook_env, tmp_path: Path) -> None:
+    """``preference/train_dpo.main`` (the entry point of ``recipes/preference/dpo``) on a local preference file:
+    the reference is a sampler snapshot of the initial weights, the loss a ``forward_backward_custom``; the DPO loss
+    falls, the preference accuracy rises, and every step's loss and the final adapters equal a plain-PyTorch replay.
+    The run starts from a saved LoRA checkpoint (``load_checkpoint_path``, a recipe option) so the replay knows the
+    initial adapters."""
+    if server.zero_stage != 2:
+        pytest.skip("one stage is enough: the recipe's requests are those the SDK tests check on every stage")
+    import tinker
+    from tinker_cookbook.preference import train_dpo
+    from tinker_cookbook.preference.dpo_datasets import DPODatasetBuilderFromComparisons
+    from tinker_cookbook.preference.preference_datasets import ComparisonBuilderFromJsonl
+    from tinker_cookbook.supervised.types import ChatDatasetBuilderCommonConfig
+
+    from examples.tinker_server.model import LoraSpec, register_local_model
+    from tinker_sdk_helpers import max_weight_difference, saved_weights
+
+    service = tinker.ServiceClient(base_url=server.base_url)
+    lora = LoraSpec(rank=32, seed=25)
+    initial = service.create_lora_training_client(base_model=QWEN, rank=lora.rank, seed=lora.seed).result()
+    start = initial.save_state("dpo-initial").result().path
+
+    beta, lr, steps = 0.1, 1e-2, 6  # the recipe's beta
+    builder = DPODatasetBuilderFromComparisons(
+        common_config=ChatDatasetBuilderCommonConfig(model_name_for_tokenizer=QWEN, renderer_name="qwen3",
+                                                     max_length=128, batch_size=4),
+        comparison_builder=ComparisonBuilderFromJsonl(train_path=str(write_comparisons(tmp_path / "prefs.jsonl",
+                                                                                        4 * steps))))
+    log_path = tmp_path / "dpo"
+    config = train_dpo.Config(log_path=str(log_path), model_name=QWEN, recipe_name="recipe_preference_dpo",
+                              renderer_name="qwen3", dataset_builder=builder, load_checkpoint_path=start,
+                              learning_rate=lr, dpo_beta=beta, base_url=server.base_url, save_every=0, eval_every=0,
+                              infrequent_eval_every=0)
+    train_dpo.main(config)
+
+    loss, accuracy = metrics(log_path, "dpo_loss"), metrics(log_path, "accuracy")
+    assert len(loss) == steps and all(math.isfinite(x) for x in loss)
+    assert abs(loss[0] - math.log(2)) < 1e-3, "the first step's policy is its reference"
+    assert sum(loss[-2:]) / 2 < loss[0] - 0.2, f"the DPO loss did not fall: {loss}"
+    assert sum(accuracy[-2:]) / 2 > 0.9, f"the preference accuracy did not rise: {accuracy}"
+
+    # The same steps in plain PyTorch: the cookbook's own batches (its shuffle), its linear learning-rate decay
+    dataset, _ = builder()
+    dataset.set_epoch(seed=0)
+    register_local_model(str(server.chat_models[QWEN]))
+    expected, weights = replay_dpo(server.chat_models[QWEN], lora, [dataset.get_batch(i) for i in range(steps)],
+                                   [lr * (1 - step / steps) for step in range(steps)], beta,
+                                   {"beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.0,
+                                    "grad_clip_norm": 0.0})
+    np.testing.assert_allclose(loss, expected, atol=1e-4)
+    final = json.loads((log_path / "checkpoints.jsonl").read_text().splitlines()[-1])["state_path"]
+    difference = max_weight_difference(saved_weights(server.checkpoint_dir, final), weights)
+    moved = max_weight_difference(saved_weights(server.checkpoint_dir, start), weights)
+    assert difference < WEIGHT_ATOL, f"the adapters differ from the replay by {difference}"
+    assert moved > 100 * WEIGHT_ATOL, f"training barely moved the adapters ({moved}): the comparison says nothing"
