@@ -75,3 +75,40 @@ def _set_gradient_drives_the_update(path_name: str) -> None:
 @pytest.mark.parametrize("path_name", sorted(PATHS))
 def test_gradient_set_on_a_parameter_without_one_drives_the_update(dist, path_name):
     dist.run(_set_gradient_drives_the_update, path_name)
+
+
+def _set_gradient_replaces_the_backward_one(path_name: str) -> None:
+    """Step 0 (two micro-batches) uses head a only: the trunk and head a get a gradient from both backward passes,
+    then it is set before the boundary step(). The update must use the value set, not the gradient the backward accumulated: with optimizer
+    offload, step() finishes only the gradients the boundary backward left pending (``_finalize_offloaded_gradients``
+    in fix-zero-offload-stale-grads), and the boundary backward's own copy must leave none pending, or step()
+    copies the host accumulation over the value set."""
+    import torch
+    from deepspeed.utils import safe_get_full_fp32_param, safe_set_full_grad
+    from support.training import destroy, forward_loss
+
+    # Two micro-batches: with one, the boundary backward copies straight into the fp32 partition and keeps
+    # nothing in the host accumulation buffers
+    engine = PATHS[path_name].initialize(gas=2, managed=None)
+    engine.module.use = "a"
+    used = {name: p for name, p in engine.module.named_parameters() if not name.startswith("head_b")}
+    before = {name: safe_get_full_fp32_param(p).clone() for name, p in used.items()}
+    engine.backward(forward_loss(engine, 0, 0))
+    engine.step()  # not the boundary: accumulates
+    engine.backward(forward_loss(engine, 0, 1))
+    assert engine.is_gradient_accumulation_boundary()
+    for p in used.values():
+        safe_set_full_grad(p, torch.full(p.ds_shape if hasattr(p, "ds_shape") else p.shape, SET_GRAD))
+    engine.step()
+    for name, p in used.items():
+        after = safe_get_full_fp32_param(p)
+        expected = before[name] - LR * SET_GRAD
+        assert torch.equal(after, expected), (f"{path_name}: {name} moved by {(after - before[name]).abs().max().item():g}, "
+                                              f"not by lr * the gradient set ({LR * SET_GRAD:g})")
+    destroy(engine)
+
+
+@pytest.mark.world_size(1, 2)
+@pytest.mark.parametrize("path_name", ["zero1-offload", "zero2-offload"])
+def test_gradient_set_after_the_boundary_backward_replaces_its_gradient(dist, path_name):
+    dist.run(_set_gradient_replaces_the_backward_one, path_name)
