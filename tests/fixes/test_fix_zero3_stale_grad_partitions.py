@@ -60,3 +60,38 @@ def _matches_pytorch(path_name: str, n: int) -> None:
 @pytest.mark.parametrize("path_name", sorted(PATHS))
 def test_params_unused_in_micro_batches_match_pytorch(dist, path_name, n):
     dist.run(_matches_pytorch, path_name, n)
+
+
+def _overflow_leaves_no_stale_partition(path_name: str) -> None:
+    """An fp16 step that overflows is skipped; the gradient partitions it leaves (inf) must not reach the next
+    step. Step 0 overflows with both heads (inf gradients in every partition), step 1 uses head a only: head b's
+    partition must be zero there, as after an overflow step that never used head b. 0.19.3 keeps head b's inf
+    partition, so step 1 (and every later step that does not use head b) overflows again and is skipped too."""
+    import dataclasses
+
+    from support.paths import PATHS as ALL_PATHS, make_two_head_model
+    from support.training import assert_identical, destroy, forward_loss, snapshot
+
+    path = dataclasses.replace(ALL_PATHS[path_name], model_fn=make_two_head_model)
+    results = []
+    for heads_of_the_overflow in ("ab", "a"):
+        # No LR warm-up: its first LR is 0, which would hide whether the step after the skip trains
+        engine = path.initialize(gas=1, managed=None, scheduler=None)
+        engine.module.use = heads_of_the_overflow
+        engine.backward(forward_loss(engine, 0, 0) * float("inf"))
+        engine.step()
+        assert engine.skipped_steps == 1, f"{path_name}: the overflowing step must be skipped"
+        engine.module.use = "a"
+        engine.backward(forward_loss(engine, 1, 0))
+        engine.step()
+        assert engine.skipped_steps == 1, (f"{path_name}: the step after an overflow that used head b overflowed "
+                                           f"too: the skipped step's gradient partitions were not cleared")
+        results.append(snapshot(engine))
+        destroy(engine)
+    assert_identical(results[1], results[0], f"{path_name}: the step after an overflow")
+
+
+@pytest.mark.world_size(1, 2)
+@pytest.mark.parametrize("path_name", ["zero3-fp16", "zero3-offload-fp16"])
+def test_a_skipped_overflow_step_leaves_no_gradient_to_the_next_step(dist, path_name):
+    dist.run(_overflow_leaves_no_stale_partition, path_name)
