@@ -32,6 +32,11 @@ def _server_options(parser: argparse.ArgumentParser) -> None:
                         "its absolute path, or by NAME (e.g. the Hugging Face name Qwen/Qwen3-8B) when given")
     parser.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
                         help="auto: one GPU per rank with NCCL when CUDA GPUs exist, else the CPU with gloo")
+    parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
+                        help="model weights and compute: fp32, or bf16 (DeepSpeed's bf16 mode: fp32 master weights "
+                        "and Adam state)")
+    parser.add_argument("--gradient-checkpointing", action="store_true",
+                        help="recompute each decoder layer's activations in backward instead of keeping them")
 
 
 def _rank_args(args: argparse.Namespace) -> list[str]:
@@ -46,7 +51,9 @@ def _rank_args(args: argparse.Namespace) -> list[str]:
         name, path = parse_base_model(value)
         resolved = str(Path(path).expanduser().resolve())
         out += ["--base-model", f"{name}={resolved}" if name else resolved]
-    out += ["--device", args.device, "--host", args.host]
+    out += ["--device", args.device, "--host", args.host, "--dtype", args.dtype]
+    if args.gradient_checkpointing:
+        out.append("--gradient-checkpointing")
     return out
 
 
@@ -138,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     code = run_rank(RankOptions(port=args.port, zero_stage=args.zero_stage, checkpoint_root=args.checkpoint_dir,
                                 ready_file=args.ready_file, max_chunk_datums=args.max_chunk_datums,
                                 compress_fwdbwd=not args.no_compress, long_poll_s=args.long_poll_s,
-                                base_models=tuple(args.base_model), host=args.host, device=args.device))
+                                base_models=tuple(args.base_model), host=args.host, device=args.device,
+                                dtype=args.dtype, gradient_checkpointing=args.gradient_checkpointing))
     # A rank that stopped cleanly exits without interpreter teardown: C++ threads left by the libraries
     # (seen with ZeRO-3) abort the process ("terminate called without an active exception") otherwise.
     sys.stdout.flush()

@@ -28,7 +28,7 @@ import numpy as np
 from .checkpoint_files import directory_size, parse_age_recipients
 from .checkpoint_store import CheckpointStore
 from .download_urls import PREFIX as DOWNLOADS  # signed URLs carry their own authorisation: no API key there
-from .model import BASE_MODELS, BaseModelSpec, LoraSpec
+from .model import BASE_MODELS, DEFAULT_LORA_RANK, BaseModelSpec, LoraSpec
 from .responses import Response, error_response, json_response
 from .rest_api import RunsApi, parse_ttl
 from .sampling import SampleResult, SnapshotRef, encode_sample_response, parse_sample, sample_response_json
@@ -288,9 +288,13 @@ class TinkerApi:
         try:
             raw_lora = request.get("lora_config")
             lora = None
-            if raw_lora and int(raw_lora.get("rank", 0)) > 0:  # rank 0 (or none): full fine-tuning
+            # No lora_config: full fine-tuning, as rank 0; one without a rank: Tinker's default rank.
+            rank = 0
+            if isinstance(raw_lora, dict):
+                rank = DEFAULT_LORA_RANK if raw_lora.get("rank") is None else int(raw_lora["rank"])
+            if rank > 0:
                 seed = raw_lora.get("seed")
-                lora = LoraSpec(rank=int(raw_lora["rank"]),
+                lora = LoraSpec(rank=rank,
                                 seed=int(seed) if seed is not None else random.getrandbits(31),
                                 train_attn=bool(raw_lora.get("train_attn", True)),
                                 train_mlp=bool(raw_lora.get("train_mlp", True)),

@@ -9,14 +9,23 @@ path, with its tokenizer from the same directory; ``--base-model NAME=PATH`` ser
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Iterator
 
 import torch
 
 #: Seed for the base weights: every rank (and every replay) must start from the same model.
 BASE_SEED = 1234
+#: Tinker's LoRA defaults: the SDK's ``create_lora_training_client(rank=32)`` and the LoRA primer's "default
+#: rank 32"; alpha 32 whatever the rank (scale ``alpha / rank``), tinker-cookbook's ``weights`` README and
+#: ``hyperparam_utils.get_lora_lr_over_full_finetune_lr(lora_alpha=32)``, as in "LoRA Without Regret".
+DEFAULT_LORA_RANK = 32
+LORA_ALPHA = 32
+#: ``--dtype`` values.
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 @dataclass(frozen=True)
@@ -124,17 +133,17 @@ def _lora_targets(model: torch.nn.Module, lora: LoraSpec) -> list[str]:
     return wanted
 
 
-def build_model(base_model: str, lora: LoraSpec | None) -> torch.nn.Module:
-    """Construct the fp32 model: base weights from ``BASE_SEED`` (or the local directory), adapters
-    from ``lora.seed``.
+def build_base(base_model: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """The base model alone, in ``dtype``: built-in weights from ``BASE_SEED``, a local model from its directory.
 
-    With ``lora`` set only the adapter weights require grad (PEFT freezes the rest).
+    Under an active ``zero3_construction`` a local model is built and loaded sharded (``deepspeed.zero.Init``);
+    a built-in model is built whole (they are toy sizes) and DeepSpeed partitions it later.
     """
     from transformers import LlamaConfig, LlamaForCausalLM
 
     spec = BASE_MODELS[base_model]
     if spec.path is not None:
-        return _build_local(spec, lora)
+        return _build_local(spec, dtype)
     config = LlamaConfig(
         vocab_size=spec.vocab_size,
         hidden_size=spec.hidden_size,
@@ -149,31 +158,95 @@ def build_model(base_model: str, lora: LoraSpec | None) -> torch.nn.Module:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(BASE_SEED)
         model = LlamaForCausalLM(config)
-        if lora is None:
-            return model
-        import peft
-
-        torch.manual_seed(lora.seed)
-        adapters = peft.LoraConfig(r=lora.rank, lora_alpha=lora.rank, lora_dropout=0.0,
-                                   target_modules=lora.target_modules())
-        return peft.get_peft_model(model, adapters)
+    return model.to(dtype)
 
 
-def _build_local(spec: BaseModelSpec, lora: LoraSpec | None) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()  # one bar per model built is noise in a server log
-    model = AutoModelForCausalLM.from_pretrained(spec.path, dtype=torch.float32, attn_implementation="eager")
-    if lora is None:
-        return model
+def add_lora(model: torch.nn.Module, lora: LoraSpec, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """Wrap ``model`` (changed in place) with LoRA adapters initialised from ``lora.seed``, scale
+    ``LORA_ALPHA / rank`` as Tinker's; only the adapters require grad."""
     import peft
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(lora.seed)
-        adapters = peft.LoraConfig(r=lora.rank, lora_alpha=lora.rank, lora_dropout=0.0,
+        adapters = peft.LoraConfig(r=lora.rank, lora_alpha=LORA_ALPHA, lora_dropout=0.0,
                                    target_modules=_lora_targets(model, lora))
-        return peft.get_peft_model(model, adapters)
+        wrapped = peft.get_peft_model(model, adapters, autocast_adapter_dtype=False)
+    for _, param in wrapped.named_parameters():  # the adapters in the base's dtype (the base's own: unchanged)
+        if param.requires_grad and param.dtype != dtype:
+            param.data = param.data.to(dtype)
+    return wrapped
+
+
+def share_frozen(base: torch.nn.Module) -> torch.nn.Module:
+    """A new module tree over the SAME parameter and buffer tensors as ``base``: what several LoRA clients
+    share (each wraps its own tree with its own adapters; the base weights exist once)."""
+    import copy
+
+    memo: dict[int, Any] = {id(t): t for t in (*base.parameters(), *base.buffers())}
+    return copy.deepcopy(base, memo)
+
+
+def build_model(base_model: str, lora: LoraSpec | None, dtype: torch.dtype = torch.float32,
+                base: torch.nn.Module | None = None) -> torch.nn.Module:
+    """Construct the model: base weights from ``BASE_SEED`` (or the local directory), adapters
+    from ``lora.seed``. With ``base`` (a LoRA model only) the frozen weights are ``base``'s own tensors,
+    not a copy.
+
+    With ``lora`` set only the adapter weights require grad (PEFT freezes the rest).
+    """
+    if base is not None and lora is None:
+        raise ValueError("full fine-tuning trains the base weights: it cannot share them")
+    model = share_frozen(base) if base is not None else build_base(base_model, dtype)
+    return model if lora is None else add_lora(model, lora, dtype)
+
+
+def _build_local(spec: BaseModelSpec, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # one bar per model built is noise in a server log
+    return AutoModelForCausalLM.from_pretrained(spec.path, dtype=dtype, attn_implementation="eager")
+
+
+@contextlib.contextmanager
+def zero3_construction(ds_config: dict[str, Any]) -> Iterator[None]:
+    """Build models sharded over the ranks (every rank must enter it together): ``transformers`` sees the
+    DeepSpeed ZeRO-3 config, so ``from_pretrained`` constructs under ``deepspeed.zero.Init`` and loads the
+    checkpoint one module at a time (rank 0 reads it, each rank keeps its partition). Only inside this
+    context: the samplers' plain copies are built whole."""
+    from transformers.integrations.deepspeed import HfDeepSpeedConfig, unset_hf_deepspeed_config
+
+    keep = HfDeepSpeedConfig(ds_config)  # registers itself (a weak reference) while alive
+    try:
+        yield
+    finally:
+        unset_hf_deepspeed_config()
+        del keep
+
+
+def enable_gradient_checkpointing(model: torch.nn.Module) -> int:
+    """Recompute each decoder layer's activations in backward instead of keeping them (non-reentrant
+    ``torch.utils.checkpoint``); returns how many layers checkpoint.
+
+    ``transformers`` checkpoints a layer only while it is in training mode. Only the layers themselves are
+    put in that mode, not their submodules, so dropout stays off as it is without checkpointing: the server
+    trains with the sampler's (dropout-free) forward either way, and the loss and gradients are the same.
+    """
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    kwargs = {"use_reentrant": False}
+    if hasattr(inner, "activation_checkpointing_enable"):  # transformers >= 5.x's name
+        inner.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        inner.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    inner.config.use_cache = False
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    layers = [m for m in inner.modules() if isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing]
+    for layer in layers:
+        layer.training = True
+    if not layers:
+        raise ValueError(f"{type(inner).__name__} has no layers transformers can checkpoint")
+    return len(layers)
 
 
 def token_logprobs(model: torch.nn.Module, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

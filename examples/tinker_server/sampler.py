@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from .checkpoint_files import read_weights
-from .model import BASE_MODELS, LoraSpec, build_model, token_logprobs
+from .model import BASE_MODELS, LoraSpec, build_base, build_model, token_logprobs
 from .sampling import SampledSequence, SampleJob, SampleResult, SnapshotRef
 from .wire import UserError
 
@@ -61,8 +61,12 @@ def _decoder(base_model: str) -> Callable[[list[int]], str]:
 class SamplerPool:
     """This rank's snapshots and the plain modules they are loaded into."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, dtype: torch.dtype = torch.float32) -> None:
         self.device = device
+        self.dtype = dtype
+        #: One plain (unsharded) base model per served model: the base-model sampler itself, and the frozen weights
+        #: every LoRA sampler module of that model shares (a full fine-tuning snapshot needs a copy of its own).
+        self._bases: dict[str, torch.nn.Module] = {}
         self._snapshots: collections.OrderedDict[str, dict[str, torch.Tensor]] = collections.OrderedDict()
         self._modules: dict[str, torch.nn.Module] = {}
         self._loaded: dict[str, str] = {}  # architecture key -> snapshot id in that module
@@ -105,8 +109,15 @@ class SamplerPool:
         module = self._modules.get(key)
         if module is None:
             lora = LoraSpec(**ref.lora) if ref.lora else None
-            module = build_model(ref.base_model, lora).to(self.device).eval()
-            module.requires_grad_(False)
+            if pristine or lora is not None:
+                base = self._bases.get(ref.base_model)
+                if base is None:
+                    base = build_base(ref.base_model, self.dtype).to(self.device).eval().requires_grad_(False)
+                    self._bases[ref.base_model] = base
+                module = base if lora is None else build_model(ref.base_model, lora, self.dtype, base=base)
+            else:
+                module = build_model(ref.base_model, None, self.dtype)
+            module = module.to(self.device).eval().requires_grad_(False)
             self._modules[key] = module
             self._loaded[key] = ""
         if self._loaded[key] != ref.snapshot_id:
@@ -114,6 +125,9 @@ class SamplerPool:
             unknown = sorted(set(weights) - set(tensors))
             if unknown:
                 raise UserError(f"sampler weights do not fit {ref.base_model}: unknown tensors {unknown[:3]}")
+            shared = sorted(n for n in weights if "lora_" not in n) if (pristine or ref.lora) else []
+            if shared:  # never write into the base weights other samplers share
+                raise UserError(f"LoRA sampler weights for {ref.base_model} hold base tensors {shared[:3]}")
             with torch.no_grad():
                 for name, value in weights.items():
                     tensors[name].copy_(value)

@@ -53,6 +53,10 @@ class RankOptions:
     host: str = "127.0.0.1"
     #: ``auto`` (CUDA when there are GPUs), ``cuda`` or ``cpu``.
     device: str = "auto"
+    #: ``fp32`` or ``bf16`` (DeepSpeed's bf16 mode; the samplers' copies in bf16 too).
+    dtype: str = "fp32"
+    #: Recompute each decoder layer's activations in backward (``--gradient-checkpointing``).
+    gradient_checkpointing: bool = False
 
 
 def versions_line() -> str:
@@ -103,6 +107,7 @@ def _drive(worker: Worker, options: RankOptions) -> None:
     base_url = f"http://{host}:{http.server_address[1]}"
     print(f"[tinker-server] {versions_line()}", flush=True)
     print(f"[tinker-server] {worker.world_size} ranks on {worker.device.type}, ZeRO stage {worker.zero_stage}, "
+          f"{worker.dtype}{', gradient checkpointing' if worker.gradient_checkpointing else ''}, "
           f"serving {base_url} (pid {os.getpid()})", flush=True)
     if options.ready_file is not None:
         tmp = options.ready_file.with_suffix(".tmp")
@@ -176,7 +181,8 @@ def run_rank(options: RankOptions) -> int:
     ds_logger.setLevel(logging.WARNING)
     disable_cpu_shm_allreduce()
     deepspeed.init_distributed(dist_backend=backend)
-    worker = Worker(dist.get_rank(), dist.get_world_size(), options.zero_stage, device)
+    worker = Worker(dist.get_rank(), dist.get_world_size(), options.zero_stage, device, dtype=options.dtype,
+                    gradient_checkpointing=options.gradient_checkpointing)
     try:
         if worker.rank == 0:
             _drive(worker, options)

@@ -23,7 +23,7 @@ import torch
 
 from .checkpoint_files import copy_tokenizer, encrypt_files, write_weights
 from .losses import LossInputs, elementwise_loss
-from .model import build_model, token_logprobs
+from .model import BASE_MODELS, DTYPES, build_base, build_model, enable_gradient_checkpointing, token_logprobs, zero3_construction
 from .sampler import SAMPLER_META_FILE, SamplerPool, capture_weights, merge_samples
 from .sampling import SampleJob
 from .wire import Datum, FwdBwdRequest, UserError
@@ -32,10 +32,13 @@ CHECKPOINT_TAG = "state"
 META_FILE = "tinker_meta.json"
 
 
-def ds_config(zero_stage: int) -> dict[str, Any]:
-    """Unmanaged mode, fp32, torch's AdamW; hyper-parameters are overwritten before every step."""
+def ds_config(zero_stage: int, dtype: str = "fp32") -> dict[str, Any]:
+    """Unmanaged mode, torch's AdamW; hyper-parameters are overwritten before every step. ``bf16``: DeepSpeed's
+    bf16 mode (bf16 weights and gradients in the model, fp32 master weights and Adam state in the optimizer)."""
     zero: dict[str, Any] = {"stage": zero_stage}
+    precision = {"bf16": {"enabled": True}} if dtype == "bf16" else {}
     return {
+        **precision,
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
         "managed_gradient_accumulation": False,
@@ -145,13 +148,18 @@ class TrainingModel:
 class Worker:
     """Executes commands on this rank; returns this rank's part of the result."""
 
-    def __init__(self, rank: int, world_size: int, zero_stage: int, device: torch.device | None = None) -> None:
+    def __init__(self, rank: int, world_size: int, zero_stage: int, device: torch.device | None = None,
+                 dtype: str = "fp32", gradient_checkpointing: bool = False) -> None:
         self.rank = rank
         self.world_size = world_size
         self.zero_stage = zero_stage
         self.device = device or torch.device("cpu")
+        self.dtype = dtype
+        self.gradient_checkpointing = gradient_checkpointing
         self.models: dict[str, TrainingModel] = {}
-        self.samplers = SamplerPool(self.device)
+        #: One frozen base model per served model, shared by every LoRA client of it (``_module_for``).
+        self.bases: dict[str, torch.nn.Module] = {}
+        self.samplers = SamplerPool(self.device, DTYPES[dtype])
 
     def run(self, kind: str, model_id: str, payload: Any) -> Any:
         if kind == "create":
@@ -159,7 +167,10 @@ class Worker:
         if kind == "sample":
             return self._sample(payload)
         if kind == "unload":
-            self.models.pop(model_id, None)
+            gone = self.models.pop(model_id, None)
+            if gone is not None and not any(m.base_model == gone.base_model and m.lora is not None
+                                            for m in self.models.values()):
+                self.bases.pop(gone.base_model, None)  # its last LoRA client is gone
             gc.collect()
             return {}
         if model_id not in self.models:
@@ -193,14 +204,35 @@ class Worker:
     def _create(self, model_id: str, record: Any) -> dict[str, Any]:
         import deepspeed
 
-        module = build_model(record.base_model, record.lora)
+        config = ds_config(self.zero_stage, self.dtype)
+        module = self._module_for(record, config)
+        if self.gradient_checkpointing:
+            enable_gradient_checkpointing(module)
         trainable = [p for p in module.parameters() if p.requires_grad]
-        engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=trainable,
-                                               config=ds_config(self.zero_stage))
+        engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=trainable, config=config)
         if getattr(engine, "managed_gradient_accumulation", lambda: True)():
             raise RuntimeError("this DeepSpeed does not run in unmanaged mode; install the patch series")
         self.models[model_id] = TrainingModel(engine, record.lora, record.base_model)
         return {"model_id": model_id, "type": "create_model"}
+
+    def _module_for(self, record: Any, config: dict[str, Any]) -> torch.nn.Module:
+        """The module a new engine trains. A LoRA client gets its own adapters over the ONE frozen base model of its
+        ``base_model`` that every LoRA client of it shares (the same tensors, never a copy; see ``share_frozen``);
+        full fine-tuning trains the base weights, so it gets its own copy. Under ZeRO-3 the base is built sharded
+        (``zero3_construction``; a built-in byte model is built whole, DeepSpeed partitions it); the adapters are added
+        outside it, whole, and the engine partitions them."""
+        dtype = DTYPES[self.dtype]
+        sharded = self.zero_stage == 3 and BASE_MODELS[record.base_model].path is not None  # built-ins: toy sizes
+        construction = zero3_construction(config) if sharded else contextlib.nullcontext()
+        if record.lora is None:
+            with construction:
+                return build_base(record.base_model, dtype)
+        base = self.bases.get(record.base_model)
+        if base is None:
+            with construction:
+                base = self.bases[record.base_model] = build_base(record.base_model, dtype)
+            base.requires_grad_(False)
+        return build_model(record.base_model, record.lora, dtype, base=base)
 
     def _forward_backward(self, model: TrainingModel, request: FwdBwdRequest) -> list[tuple[np.ndarray, np.ndarray]]:
         mine = [request.data[i] for i in share(len(request.data), self.rank, self.world_size)]

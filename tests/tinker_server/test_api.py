@@ -119,3 +119,19 @@ def test_retrieve_future_long_polls_and_encodes_protobuf(api: TinkerApi) -> None
     assert result(api, future.request_id)["metrics"] == {"loss:sum": 1.0}
     proto = result(api, future.request_id, accept="application/x-protobuf")
     assert proto.content_type == "application/x-protobuf" and proto.body
+
+
+def test_lora_rank_defaults_to_tinkers(api: TinkerApi) -> None:
+    """A ``lora_config`` without a rank gets Tinker's default rank (32, the SDK's default too); rank 0 or no
+    ``lora_config`` is full fine-tuning."""
+    session = post(api, "create_session", {"tags": [], "user_metadata": {}, "sdk_version": "x"})[1]["session_id"]
+    ranks = []
+    for seq, lora in enumerate(({}, {"rank": None, "seed": 1}, {"rank": 8}, {"rank": 0}, None)):
+        body = {"session_id": session, "model_seq_id": seq, "base_model": "tiny-llama-byte"}
+        if lora is not None:
+            body["lora_config"] = lora
+        status, reply = post(api, "create_model", body)
+        assert status == 200
+        record = api.model(reply["model_id"])
+        ranks.append(record.lora.rank if record.lora else 0)
+    assert ranks == [32, 32, 8, 0, 0]

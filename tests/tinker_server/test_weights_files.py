@@ -21,7 +21,7 @@ from examples.tinker_server.checkpoint_files import (ADAPTER_CONFIG, ADAPTER_WEI
                                                      read_weights, write_weights)
 from examples.tinker_server.checkpoint_store import CheckpointStore  # noqa: E402
 from examples.tinker_server.download_urls import UrlSigner  # noqa: E402
-from examples.tinker_server.model import LoraSpec, build_model, register_local_model  # noqa: E402
+from examples.tinker_server.model import LORA_ALPHA, LoraSpec, build_model, register_local_model  # noqa: E402
 from examples.tinker_server.scheduler import FutureStore, Scheduler  # noqa: E402
 from examples.tinker_server.worker import TrainingModel, Worker  # noqa: E402
 
@@ -66,7 +66,7 @@ def test_a_lora_checkpoint_is_a_peft_adapter(tmp_path: Path, base: str, gpt2_dir
     ours, theirs = (load_file(str(tmp_path / d / ADAPTER_WEIGHTS)) for d in ("ckpt", "by-peft"))
     assert sorted(ours) == sorted(theirs)
     config = json.loads((tmp_path / "ckpt" / ADAPTER_CONFIG).read_text())
-    assert config["base_model_name_or_path"] == base and config["r"] == 4 and config["lora_alpha"] == 4
+    assert config["base_model_name_or_path"] == base and config["r"] == 4 and config["lora_alpha"] == LORA_ALPHA == 32
 
     loaded = peft.PeftModel.from_pretrained(build_model(base, None), str(tmp_path / "ckpt")).eval()
     torch.testing.assert_close(logits(loaded), logits(trained.eval()), rtol=0, atol=1e-5)

@@ -80,3 +80,33 @@ def test_models_are_reproducible_from_name_and_seed() -> None:
     trainable = {n for n, p in a.named_parameters() if p.requires_grad}
     assert trainable and all("lora_" in n for n in trainable), "LoRA trains only the adapters"
     assert all(p.requires_grad for p in build_model("tiny-llama-byte", None).parameters())
+
+
+def test_lora_scale_is_tinkers_alpha_over_rank() -> None:
+    """Tinker's LoRA: alpha 32 whatever the rank, so the adapter's scale is 32 / rank."""
+    from examples.tinker_server.model import LORA_ALPHA
+
+    for rank in (1, 4, 32):
+        model = build_model("tiny-llama-byte", LoraSpec(rank=rank, seed=0))
+        q_proj = model.get_base_model().model.layers[0].self_attn.q_proj
+        assert LORA_ALPHA == 32 and q_proj.scaling["default"] == 32 / rank
+
+
+def test_lora_models_share_one_base_and_full_fine_tuning_copies() -> None:
+    """``build_model(base=...)``: a LoRA model over the base's own tensors (one copy, whatever the number of
+    clients), numerically the model built on its own; full fine-tuning cannot share."""
+    from examples.tinker_server.model import build_base
+
+    base = build_base("tiny-llama-byte")
+    a, b = (build_model("tiny-llama-byte", LoraSpec(rank=2, seed=s), base=base) for s in (1, 2))
+    alone = build_model("tiny-llama-byte", LoraSpec(rank=2, seed=1))
+    frozen = dict(base.named_parameters())
+    for model in (a, b):
+        for name, param in model.named_parameters():
+            if not param.requires_grad:
+                key = name.removeprefix("base_model.model.").replace(".base_layer", "")
+                assert param is frozen[key], name
+    for (name, x), (_, y) in zip(a.state_dict().items(), alone.state_dict().items()):
+        assert torch.equal(x, y), name
+    with pytest.raises(ValueError, match="cannot share"):
+        build_model("tiny-llama-byte", None, base=base)

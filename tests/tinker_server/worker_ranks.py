@@ -1,0 +1,141 @@
+"""One rank of a real 2-rank run of the server's ``Worker`` (real DeepSpeed engines, real gloo), for
+``test_real_models.py``: ``python tests/tinker_server/worker_ranks.py OUT_DIR ZERO_STAGE DTYPE MODEL_DIR``
+with the launcher environment (RANK, WORLD_SIZE, MASTER_*) set. Each rank writes what it saw to
+``OUT_DIR/rank<r>.json``; the test asserts on it.
+
+What it does, with the Worker exactly as the server drives it (commands in the same order on every rank):
+
+1. ``precision``: a LoRA client and a full fine-tuning client of MODEL_DIR, each created twice, without and
+   with gradient checkpointing; the dtype of every parameter; one ``forward_backward`` and one ``optim_step``
+   on the same datums; how often layer 0's attention ran (1 per forward, 2 with checkpointing: the recompute);
+   the logprobs, losses and weights after the step, without and with checkpointing.
+2. ``sharding`` (ZeRO-3): for every parameter of the full fine-tuning client right after it loads, its full size,
+   its partition on this rank and the data the rank holds; the gathered weights against the checkpoint file.
+3. ``shared_base``: the LoRA clients' frozen base tensors (the same objects? the same storage?), and whether a
+   step of one LoRA client changed another's logprobs.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+
+def main(out_dir: Path, zero_stage: int, dtype: str, model_dir: str) -> None:
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+
+    from examples.ranks import disable_cpu_shm_allreduce
+
+    dist.init_process_group("gloo", timeout=timedelta(minutes=10))
+    import deepspeed
+    from deepspeed.utils import logger as ds_logger
+
+    ds_logger.setLevel("WARNING")
+    disable_cpu_shm_allreduce()
+    deepspeed.init_distributed(dist_backend="gloo")
+
+    from examples.tinker_server.api import ModelRecord
+    from examples.tinker_server.model import LoraSpec, register_local_model
+    from examples.tinker_server.sampler import capture_weights
+    from examples.tinker_server.wire import Datum, FwdBwdRequest
+    from examples.tinker_server.worker import Worker
+
+    spec = register_local_model(model_dir)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    worker = Worker(rank, world, zero_stage, dtype=dtype)
+    rng = np.random.default_rng(0)
+    data = tuple(Datum(t[:-1].astype(np.int64), t[1:].astype(np.int64), np.ones(len(t) - 1, np.float32))
+                 for t in (rng.integers(0, 256, n) for n in (9, 14, 6, 11)))
+    adam = {"learning_rate": 1e-2, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.0,
+            "grad_clip_norm": 0.0}
+    report: dict = {"rank": rank, "world": world}
+
+    def inner(model_id: str) -> torch.nn.Module:
+        module = worker.models[model_id].engine.module
+        return module.get_base_model() if hasattr(module, "get_base_model") else module
+
+    def create(model_id: str, lora: LoraSpec | None, checkpointing: bool) -> None:
+        worker.gradient_checkpointing = checkpointing
+        worker.run("create", model_id, ModelRecord(model_id, "s", spec.name, lora))
+
+    def layer0_calls(model_id: str) -> list[int]:
+        calls = [0]
+        inner(model_id).model.layers[0].self_attn.register_forward_hook(
+            lambda *_: calls.__setitem__(0, calls[0] + 1))
+        return calls
+
+    def step(model_id: str) -> dict:
+        calls = layer0_calls(model_id)
+        part = worker.run("forward_backward", model_id, FwdBwdRequest(model_id, 0, "cross_entropy", False, data))
+        during = calls[0]
+        worker.run("optim_step", model_id, adam)
+        weights = capture_weights(worker.models[model_id].engine, zero_stage,
+                                  trainable_only=worker.models[model_id].lora is not None)
+        return {"layer0_attention_calls": during,
+                "logprobs": [lp.tolist() for lp, _ in part], "losses": [loss.tolist() for _, loss in part],
+                "weights": {n: w.float().flatten().tolist() for n, w in sorted(weights.items())}}
+
+    # 2. sharded loading, checked before anything else touches the parameters
+    create("full", None, False)
+    if zero_stage == 3:
+        params = []
+        for name, p in worker.models["full"].engine.module.named_parameters():
+            params.append({"name": name, "ds_numel": int(p.ds_numel), "partition": int(p.ds_tensor.numel()),
+                           "held": int(p.numel()), "persist": bool(getattr(p, "ds_persist", False))})
+        report["sharding"] = {"params": params,
+                              "threshold": worker.models["full"].engine.zero_param_persistence_threshold()}
+    gathered = capture_weights(worker.models["full"].engine, zero_stage, trainable_only=False)
+    if rank == 0:
+        from safetensors.torch import load_file
+
+        on_disk = load_file(str(Path(model_dir) / "model.safetensors"))
+        report["loaded_equals_checkpoint"] = all(
+            torch.equal(gathered[name].float(), on_disk[name].to(gathered[name].dtype).float())
+            for name in on_disk)
+        report["loaded_names"] = sorted(on_disk)
+
+    # 1. dtype and gradient checkpointing
+    lora = LoraSpec(rank=4, seed=3)
+    create("full-ckpt", None, True)
+    create("lora", lora, False)
+    create("lora-ckpt", lora, True)
+    report["dtypes"] = {mid: sorted({str(p.dtype) for p in worker.models[mid].engine.module.parameters()})
+                        for mid in ("full", "full-ckpt", "lora", "lora-ckpt")}
+    report["bf16_enabled"] = bool(worker.models["lora"].engine.bfloat16_enabled())
+    report["checkpointing_flags"] = {mid: bool(getattr(inner(mid), "is_activation_checkpointing", None)
+                                         if hasattr(type(inner(mid)), "is_activation_checkpointing")
+                                         else inner(mid).is_gradient_checkpointing)
+                                     for mid in ("full", "full-ckpt", "lora", "lora-ckpt")}
+
+    # 3. the LoRA clients' base: one copy
+    def base_tensors(model_id: str) -> dict[str, torch.Tensor]:
+        return {n: p for n, p in worker.models[model_id].engine.module.named_parameters() if not p.requires_grad}
+
+    a, b = base_tensors("lora"), base_tensors("lora-ckpt")
+    storage = (lambda p: p.ds_tensor.data_ptr()) if zero_stage == 3 else (lambda p: p.data_ptr())
+    report["shared_base"] = {"names": len(a), "same_names": sorted(a) == sorted(b),
+                             "same_objects": all(a[n] is b[n] for n in a),
+                             "same_storage": all(storage(a[n]) == storage(b[n]) for n in a),
+                             "full_ft_shares": any(p is q for p in base_tensors("full").values()
+                                                   for q in a.values())}
+    forward = FwdBwdRequest("lora-ckpt", 0, "cross_entropy", True, data)
+    before = worker.run("forward", "lora-ckpt", forward)
+
+    report["steps"] = {mid: step(mid) for mid in ("full", "full-ckpt", "lora")}
+    after = worker.run("forward", "lora-ckpt", forward)
+    report["other_lora_unchanged"] = all(np.array_equal(x[0], y[0]) for x, y in zip(before, after))
+    report["steps"]["lora-ckpt"] = step("lora-ckpt")
+    (out_dir / f"rank{rank}.json").write_text(json.dumps(report))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4])
