@@ -489,46 +489,52 @@ def run_side(python: Path, side_dir: Path, paths: list[str], env: dict[str, str]
             killed = False
             out_of_time = False
             ended = False
-            while True:
-                finished = proc.poll() is not None
-                with events.open("rb") if events.exists() else open(os.devnull, "rb") as f:
-                    f.seek(offset)
-                    chunk = f.read()
-                    complete = chunk[:chunk.rfind(b"\n") + 1]
-                    offset += len(complete)
-                for line in complete.decode("utf-8").splitlines():
-                    event = json.loads(line)
-                    kind = event["event"]
-                    if kind == "collected" and expected is None:
-                        expected = event["nodeids"]
-                    elif kind == "collect_error":
-                        side.collect_errors[event["nodeid"]] = event.get("longrepr", "")
-                    elif kind == "start":
-                        running = (event["nodeid"], time.monotonic())
-                    elif kind == "report":
-                        reports.setdefault(event["nodeid"], []).append(event)
-                    elif kind == "sessionfinish":
-                        ended = True
-                    elif kind == "finish":
-                        nodeid = event["nodeid"]
-                        outcome[nodeid], detail, duration = _combine(reports.get(nodeid, []))
-                        if detail:
-                            side.details[nodeid] = detail
-                        side.durations[nodeid] = duration
-                        running = None
-                if finished:
-                    break
-                if deadline is not None and time.monotonic() > deadline:
-                    log(f"{side.name}: the time limit ran out: killing the session")
-                    _kill_session(proc)
-                    killed = out_of_time = True
-                    break
-                if running is not None and time.monotonic() - running[1] > timeout:
-                    log(f"{side.name}: {running[0]} ran over {timeout} s: killing the session")
-                    _kill_session(proc)
-                    killed = True
-                    break
-                time.sleep(1)
+            # A session started in a session of its own outlives us unless killed: on any way out, kill it (the
+            # caller's timeout sends SIGTERM, which main() turns into SystemExit).
+            try:
+                while True:
+                    finished = proc.poll() is not None
+                    with events.open("rb") if events.exists() else open(os.devnull, "rb") as f:
+                        f.seek(offset)
+                        chunk = f.read()
+                        complete = chunk[:chunk.rfind(b"\n") + 1]
+                        offset += len(complete)
+                    for line in complete.decode("utf-8").splitlines():
+                        event = json.loads(line)
+                        kind = event["event"]
+                        if kind == "collected" and expected is None:
+                            expected = event["nodeids"]
+                        elif kind == "collect_error":
+                            side.collect_errors[event["nodeid"]] = event.get("longrepr", "")
+                        elif kind == "start":
+                            running = (event["nodeid"], time.monotonic())
+                        elif kind == "report":
+                            reports.setdefault(event["nodeid"], []).append(event)
+                        elif kind == "sessionfinish":
+                            ended = True
+                        elif kind == "finish":
+                            nodeid = event["nodeid"]
+                            outcome[nodeid], detail, duration = _combine(reports.get(nodeid, []))
+                            if detail:
+                                side.details[nodeid] = detail
+                            side.durations[nodeid] = duration
+                            running = None
+                    if finished:
+                        break
+                    if deadline is not None and time.monotonic() > deadline:
+                        log(f"{side.name}: the time limit ran out: killing the session")
+                        _kill_session(proc)
+                        killed = out_of_time = True
+                        break
+                    if running is not None and time.monotonic() - running[1] > timeout:
+                        log(f"{side.name}: {running[0]} ran over {timeout} s: killing the session")
+                        _kill_session(proc)
+                        killed = True
+                        break
+                    time.sleep(1)
+            except BaseException:
+                _kill_session(proc)
+                raise
         removed = clean_shm(shm_before)
         if removed:
             log(f"removed {removed} shared-memory all-reduce buffer(s) the ranks left in /dev/shm")
@@ -944,6 +950,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--report-only", action="store_true",
                         help="rewrite the report from the results.json files of an earlier run")
     args = parser.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     bases = args.base or stack.available_bases()
     if args.python and len(bases) != 1:
         parser.error("--python needs exactly one --base")

@@ -257,3 +257,42 @@ def test_run_side_stops_at_the_time_limit_and_reruns_only_listed_ids(tmp_path: P
     ut.run_side(Path(sys.executable), tmp_path / "side", ["test_t.py"], env, timeout=120, side=rerun,
                 only=["test_t.py::test_fails", "test_t.py::test_after"])
     assert rerun.outcomes == {"test_t.py::test_fails": "failed", "test_t.py::test_after": "passed"}
+
+
+def test_a_terminated_runner_kills_its_pytest_session(tmp_path: Path):
+    # CI stops a comparison that runs out of time with SIGTERM; the pytest session runs in a session of its own, so
+    # the runner must kill it, or its ranks keep the CPUs busy for the rest of CI.
+    tests = tmp_path / "side" / "tests"
+    tests.mkdir(parents=True)
+    pid_file = tmp_path / "pid"
+    (tests / "test_s.py").write_text(
+        textwrap.dedent(f"""
+        import os
+        import time
+        from pathlib import Path
+
+        def test_sleeps():
+            Path({str(pid_file)!r}).write_text(str(os.getpid()))
+            time.sleep(120)
+        """))
+    runner = textwrap.dedent(f"""
+        import signal, sys, time
+        from pathlib import Path
+        sys.path.insert(0, {str(ROOT / "tools")!r})
+        import upstream_tests as ut
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+        env = dict(__import__("os").environ, PYTHONPATH={str(ROOT / "tools")!r}, TORCH_EXTENSIONS_DIR={str(tmp_path)!r})
+        ut.run_side(Path(sys.executable), Path({str(tmp_path / "side")!r}), ["test_s.py"], env, 300, ut.Side("s", 1))
+        """)
+    proc = subprocess.Popen([sys.executable, "-c", runner])
+    deadline = time.monotonic() + 60
+    while not pid_file.exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert pid_file.exists(), "the test never started"
+    test_pid = int(pid_file.read_text())
+    proc.terminate()
+    assert proc.wait(timeout=30) == 143
+    with pytest.raises(ProcessLookupError):
+        for _ in range(50):
+            os.kill(test_pid, 0)
+            time.sleep(0.1)
