@@ -127,6 +127,39 @@ def zero_grad_discards(path_name: str) -> None:
     destroy(engine)
 
 
+def zero_grad_discards_what_no_later_backward_overwrites(path_name: str) -> None:
+    """engine.zero_grad() drops all a step has accumulated, also for the parameters that the backward passes after
+    it do not reach (they would not overwrite it): the discarded backward passes use both heads of a two-head
+    model and a gradient is set on head b with safe_set_full_grad(); the kept ones use head a only. Head b must
+    step as in a run without the discarded part (zero gradient), not on the discarded gradient."""
+    import dataclasses
+
+    from deepspeed.utils import safe_set_full_grad
+
+    from .paths import make_two_head_model
+
+    path = dataclasses.replace(PATHS[path_name], model_fn=make_two_head_model)
+    reference = path.initialize(gas=2, managed=False)
+    reference.module.use = "a"
+    run_unmanaged(reference, [2, 2])
+    expected = snapshot(reference)
+    destroy(reference)
+
+    engine = path.initialize(gas=2, managed=False)
+    engine.module.use = "a"
+    run_unmanaged(engine, [2])
+    engine.module.use = "ab"
+    for i in range(2):  # a partial accumulation on other data, then discarded
+        backward(engine, forward_loss(engine, 99, i))
+    for p in engine.module.head_b.parameters():
+        safe_set_full_grad(p, torch.full(p.ds_shape if hasattr(p, "ds_shape") else p.shape, 0.25))
+    engine.zero_grad()
+    engine.module.use = "a"
+    run_unmanaged(engine, [2], first_step=1)
+    assert_identical(expected, snapshot(engine), f"{path_name}: zero_grad() must discard head b's gradient too")
+    destroy(engine)
+
+
 def fp16_overflow_inside_accumulation(path_name: str) -> None:
     path = PATHS[path_name]
 

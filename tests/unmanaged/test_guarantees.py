@@ -43,6 +43,13 @@ def test_zero_grad_discards_a_partial_accumulation(dist, path_name):
     dist.run(scenarios.zero_grad_discards, path_name)
 
 
+# The parameters the kept backward passes do not reach: ZeRO-3 keeps their gradient partitions outside .grad
+@pytest.mark.world_size(1, 2)
+@pytest.mark.parametrize("path_name", cases("zero3-fp32"))
+def test_zero_grad_discards_gradients_no_later_backward_overwrites(dist, path_name):
+    dist.run(scenarios.zero_grad_discards_what_no_later_backward_overwrites, path_name)
+
+
 @pytest.mark.world_size(1, 2)
 @pytest.mark.parametrize("path_name", cases(*FP16_DYNAMIC))
 def test_fp16_overflow_skips_the_step_and_clears_the_accumulation(dist, path_name):

@@ -57,6 +57,14 @@ def test_zero_grad_discards_a_partial_accumulation(dist, path_name):
     dist.run(_scenario, "zero_grad_discards", path_name)
 
 
+# ZeRO-3 with optimizer offload records the gradient set with safe_set_full_grad() as final (step() must not
+# overwrite it with the gradient partition): zero_grad() must forget that too
+@pytest.mark.world_size(1, 2)
+@pytest.mark.parametrize("path_name", ["zero3-offload"])
+def test_zero_grad_discards_gradients_no_later_backward_overwrites(dist, path_name):
+    dist.run(_scenario, "zero_grad_discards_what_no_later_backward_overwrites", path_name)
+
+
 @pytest.mark.world_size(1, 2)
 @pytest.mark.parametrize("path_name", OFFLOAD_FP16_DYNAMIC)
 def test_fp16_overflow_skips_the_step_and_clears_the_accumulation(dist, path_name):
