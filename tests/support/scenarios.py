@@ -495,7 +495,8 @@ def factor_errors(path_name: str) -> None:
 
 
 def gas_scaling_mismatch_warnings(path_name: str) -> list:
-    """(e) Count the warnings for: N == GAS, N != GAS (twice), scale_wrt_gas=False, and with a factor."""
+    """(e) Count the warnings for: N == GAS, N != GAS (twice), scale_wrt_gas=False, with a factor, and
+    scale_wrt_gas=False after zero_grad() discarded a GAS-scaled backward (whose losses the step does not apply)."""
     from deepspeed.utils import logger
 
     seen = []
@@ -516,6 +517,9 @@ def gas_scaling_mismatch_warnings(path_name: str) -> list:
         step(2)  # matches the configured GAS
         step(3, scale_wrt_gas=False)  # nothing was divided
         step(3, scale_wrt_gas=False, gradient_divide_factor=3.0)
+        engine.backward(forward_loss(engine, 0, 0))  # GAS-scaled, then discarded
+        engine.zero_grad()
+        step(3, scale_wrt_gas=False)  # nothing the step applies was divided
         step(3)  # the classic mis-scaling: warns
         step(1)  # again, but only once per engine
         destroy(engine)
