@@ -36,6 +36,13 @@ def test_norm_and_clipping_see_the_normalised_gradient(dist, path_name):
     dist.run(scenarios.clipping_sees_the_normalised_gradient, path_name)
 
 
+@pytest.mark.world_size(1, 2)
+# Both ways of applying the factor: the all-reduce's averaging (fp32 without ZeRO), the ZeRO optimizer's ratio
+@pytest.mark.parametrize("path_name", ["fp32-deepspeed-optimizer", "zero2-fp32"])
+def test_the_factor_lasts_one_step(dist, path_name):
+    dist.run(scenarios.factor_lasts_one_step, path_name)
+
+
 @pytest.mark.world_size(2, 4)
 @pytest.mark.parametrize("path_name", ["zero1-fp32", "zero3-fp32"])
 def test_a_factor_differing_across_ranks_raises_on_every_rank(dist, path_name):

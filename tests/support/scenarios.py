@@ -443,6 +443,32 @@ def micro_batch_mean_recipe_equals_managed(path_name: str, n: int) -> None:
         torch.testing.assert_close(actual.scalars["grad_norm"], expected.scalars["grad_norm"], rtol=1e-5, atol=0)
 
 
+def factor_lasts_one_step(path_name: str) -> None:
+    """(d) The factor applies to its step only: after a step with a factor, a step without one averages over the
+    data-parallel ranks, exactly as a step with the factor dp_world_size does (the same division), in the
+    parameters, the optimizer state and the gradient norm."""
+    runs = []
+    for later_factor in (None, "dp_world_size"):
+        engine = PATHS[path_name].initialize(gas=1, managed=False, scheduler=None, gradient_clipping=0.0)
+        norms = []
+        for step in range(3):
+            for i in range(2):
+                engine.backward(forward_loss(engine, step, i), scale_wrt_gas=False)
+            if step == 0:
+                engine.step(gradient_divide_factor=7.0)
+            elif later_factor is None:
+                engine.step()
+            else:
+                engine.step(gradient_divide_factor=float(engine.dp_world_size))
+            norm = engine.get_global_grad_norm()
+            norms.append(None if norm is None else float(norm))
+        result = snapshot(engine)
+        result.scalars["norms"] = norms
+        runs.append(result)
+        destroy(engine)
+    assert_identical(runs[1], runs[0], f"{path_name}: a step without a factor after one with gradient_divide_factor=7")
+
+
 def clipping_sees_the_normalised_gradient(path_name: str) -> None:
     """(c) With clipping on, raw losses + factor equal pre-divided losses + factor 1."""
     plan = [2, 3]
