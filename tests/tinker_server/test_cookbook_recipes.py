@@ -1,25 +1,33 @@
 """tinker-cookbook's ready-made entry points, unmodified, against the server: ``recipes/sl_basic`` (the cookbook's
 ``supervised/train`` with the ``qwen3`` renderer) on ``Qwen/Qwen3-8B`` and ``recipes/rl_basic`` (``rl/train`` with
 ``async_config``, so ``stable_reinforce`` on samples recorded with ``record_stability_info``, and the
-``role_colon`` renderer) on ``meta-llama/Llama-3.1-8B``, both names served from the session's tiny ``chat_models``.
+``role_colon`` renderer) on ``meta-llama/Llama-3.1-8B``, both names served from the session's tiny ``chat_models``;
+``rl_basic`` again with the KL penalty against a base-model sampler; DPO (``preference/train_dpo``) and off-policy
+distillation (``distillation/train_off_policy``) on ``Qwen/Qwen3-8B``.
 
-Each is driven through the recipe's own ``build_config_blueprint`` and ``main``, with what a user changes on its
-command line (``base_url``, ``log_path``, the learning rate, a few steps) and a local dataset in place of the one
-it downloads from the hub: the cookbook's own ``example_data/conversations.jsonl`` for SL, the letters task as a
-chat (``examples/tinker_server/chat_letters.py``) for RL. The tokenizers come from the cookbook's registry
-(``register_tokenizer``, as a user's script does offline). One ZeRO stage each: ~10 s and ~20-80 s.
+Each is driven through the recipe's own ``build_config_blueprint`` (or ``Config``) and ``main``, with what a user
+changes on its command line (``base_url``, ``log_path``, the learning rate, a few steps) and a local dataset in place
+of the one it downloads from the hub: the cookbook's own ``example_data/conversations.jsonl`` for SL and
+distillation, the letters task as a chat (``examples/tinker_server/chat_letters.py``) for RL, a preference file the
+test writes for DPO. The tokenizers come from the cookbook's registry (``register_tokenizer``, as a user's script
+does offline). DPO and distillation are deterministic (no sampling): they start from saved adapters
+(``load_checkpoint_path``, a recipe option) and every step's loss and the final adapters equal a plain-PyTorch
+replay. One ZeRO stage each: ~10 s, ~20-80 s, ~40 s, ~30 s and ~70 s on 2 loaded cores.
 """
-
 from __future__ import annotations
 
 import json
 import math
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pytest
 
 from tinker_sdk_helpers import API_KEY, require
+
+if TYPE_CHECKING:
+    from examples.tinker_server.model import LoraSpec
 
 require("tinker")
 pytest.importorskip("tinker_cookbook.rl.train", reason="install requirements/tinker-cookbook.txt (--no-deps)")
@@ -116,7 +124,7 @@ def write_comparisons(path: Path, count: int) -> Path:
     return path
 
 
-def replay_dpo(model_path: Path, lora: "LoraSpec", batches: list[list], learning_rates: list[float], beta: float,
+def replay_dpo(model_path: Path, lora: LoraSpec, batches: list[list], learning_rates: list[float], beta: float,
                adam: dict[str, float]) -> tuple[list[float], dict]:
     """``train_dpo``'s steps in plain PyTorch, from the DPO paper's formula: per pair
     ``-log sigmoid(beta * ((chosen - chosen_ref) - (rejected - rejected_ref)))``, the mean over the batch's pairs,
@@ -174,11 +182,11 @@ def test_dpo_lowers_the_loss_and_equals_a_plain_pytorch_replay(server, cookbook_
     start = initial.save_state("dpo-initial").result().path
 
     beta, lr, steps = 0.1, 1e-2, 6  # the recipe's beta
+    preferences = write_comparisons(tmp_path / "prefs.jsonl", 4 * steps)
     builder = DPODatasetBuilderFromComparisons(
         common_config=ChatDatasetBuilderCommonConfig(model_name_for_tokenizer=QWEN, renderer_name="qwen3",
                                                      max_length=128, batch_size=4),
-        comparison_builder=ComparisonBuilderFromJsonl(train_path=str(write_comparisons(tmp_path / "prefs.jsonl",
-                                                                                        4 * steps))))
+        comparison_builder=ComparisonBuilderFromJsonl(train_path=str(preferences)))
     log_path = tmp_path / "dpo"
     config = train_dpo.Config(log_path=str(log_path), model_name=QWEN, recipe_name="recipe_preference_dpo",
                               renderer_name="qwen3", dataset_builder=builder, load_checkpoint_path=start,
@@ -201,6 +209,168 @@ def test_dpo_lowers_the_loss_and_equals_a_plain_pytorch_replay(server, cookbook_
                                    {"beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.0,
                                     "grad_clip_norm": 0.0})
     np.testing.assert_allclose(loss, expected, atol=1e-4)
+    final = json.loads((log_path / "checkpoints.jsonl").read_text().splitlines()[-1])["state_path"]
+    difference = max_weight_difference(saved_weights(server.checkpoint_dir, final), weights)
+    moved = max_weight_difference(saved_weights(server.checkpoint_dir, start), weights)
+    assert difference < WEIGHT_ATOL, f"the adapters differ from the replay by {difference}"
+    assert moved > 100 * WEIGHT_ATOL, f"training barely moved the adapters ({moved}): the comparison says nothing"
+
+
+# --- The KL penalty against a base-model sampler ----------------------------------------------------------------------
+
+
+def test_rl_basic_with_a_kl_penalty_against_the_base_model(server, cookbook_env, tmp_path: Path) -> None:
+    """``recipes/rl_basic`` with the cookbook's KL penalty (``kl_penalty_coef`` and ``kl_reference_config``): the
+    loop scores every sample with a sampling client of the base model (``create_sampling_client(base_model=...)``)
+    and folds ``coef * (mean - (logp_policy - logp_base))`` into the advantages. Its metric ``kl_policy_base``
+    (the mean of ``logp_policy - logp_base`` over sampled tokens, an estimate of KL(policy || base)) is finite every
+    step, zero at the first step (the policy's adapters start at zero, so it is the base model) and positive once
+    the policy has moved (~0.1 nats per token after 3-5 steps); the loop samples from the current weights, so its
+    sampler-trainer KL stays at zero. The base sampler's logprobs are the model's own, computed in plain PyTorch.
+    (Samples are drawn with the server's random seeds, so the run itself has no replay; ``rl_basic`` above checks
+    that the reward rises.)"""
+    if server.zero_stage != 1:
+        pytest.skip("one stage is enough: the recipe's requests are those the SDK tests check on every stage")
+    import tinker
+    import torch
+    from tinker_cookbook.recipes import rl_basic
+    from tinker_cookbook.rl.train import KLReferenceConfig
+    from transformers import AutoModelForCausalLM
+
+    from examples.tinker_server.chat_letters import ChatLettersDatasetBuilder
+
+    log_path = tmp_path / "rl_basic_kl"
+    config = rl_basic.build_config_blueprint(LLAMA).apply({
+        "dataset_builder": ChatLettersDatasetBuilder(renderer_name="role_colon", model_name_for_tokenizer=LLAMA,
+                                                     batches=6, batch_size=4, group_size=8, max_tokens=8),
+        "base_url": server.base_url, "log_path": str(log_path), "learning_rate": 3e-2, "lora_rank": 16,
+        "max_tokens": 8, "kl_penalty_coef": 0.05, "kl_reference_config": KLReferenceConfig(base_model=LLAMA),
+        "num_groups_to_log": 0, "rollout_json_export": False, "save_every": 0}).make()
+    rl_basic.main(config)
+
+    kl, rewards = metrics(log_path, "kl_policy_base"), metrics(log_path, "env/all/reward/total")
+    sample_train = metrics(log_path, "optim/kl_sample_train_v1")
+    assert len(kl) == len(rewards) == 6 and all(math.isfinite(x) for x in kl), kl
+    assert abs(kl[0]) < 1e-4, f"the first policy is the base model: {kl}"
+    assert min(kl[-3:]) > 1e-3, f"the trained policy should have moved away from the base model: {kl}"
+    assert sample_train and max(abs(x) for x in sample_train) < 1e-3, f"sampled on-policy: {sample_train}"
+    assert all(0.0 <= r <= 1.0 for r in rewards), rewards
+
+    # The KL reference is the base model: its sampler's logprobs are the model's own
+    base = tinker.ServiceClient(base_url=server.base_url).create_sampling_client(base_model=LLAMA).result()
+    tokens = list(range(40, 72))
+    served = base.compute_logprobs(tinker.ModelInput.from_ints(tokens)).result()[1:]
+    model = AutoModelForCausalLM.from_pretrained(str(server.chat_models[LLAMA]), dtype=torch.float32)
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([tokens])).logits.float()
+    local = torch.log_softmax(logits, -1)[0, :-1].gather(-1, torch.tensor(tokens[1:])[:, None])[:, 0]
+    np.testing.assert_allclose(served, local.numpy(), atol=1e-4)
+
+
+# --- Off-policy distillation ------------------------------------------------------------------------------------------
+
+
+def replay_distillation(model_path: Path, student_lora: LoraSpec, teacher_lora: LoraSpec,
+                        teacher_weights: dict, batches: list[list], lr: float) -> tuple[list[float], dict]:
+    """``distillation/train_off_policy``'s steps in plain PyTorch with every vocabulary entry as a soft target: at
+    each trained position (weight > 0) the teacher's whole next-token distribution, the student's loss the
+    cross-entropy against it summed over positions (Tinker's ``cross_entropy`` with ``[N, K]`` targets), one AdamW
+    step (the SDK's ``AdamParams`` defaults) per batch. Returns each step's loss and the student's adapters."""
+    import torch
+
+    from examples.tinker_server.model import build_model
+    from tinker_sdk_helpers import PlainReplay
+
+    teacher = build_model(str(model_path), teacher_lora).eval()
+    missing, unexpected = teacher.load_state_dict(teacher_weights, strict=False)
+    assert not unexpected and all("lora_" not in key for key in missing), (missing, unexpected)
+    student = PlainReplay(str(model_path), student_lora)
+    losses = []
+    for batch in batches:
+        total = 0.0
+        for datum in batch:
+            tokens = torch.tensor([datum.model_input.to_ints()])
+            mask = (torch.tensor(datum.loss_fn_inputs["weights"].data) > 0).float()[:, None]
+            with torch.no_grad():
+                soft = torch.softmax(teacher(input_ids=tokens).logits[0].float(), -1) * mask
+            loss = -(torch.log_softmax(student.model(input_ids=tokens).logits[0].float(), -1) * soft).sum()
+            loss.backward()
+            total += float(loss.detach())
+        student.optim_step({"learning_rate": lr, "beta1": 0.9, "beta2": 0.95, "eps": 1e-12, "weight_decay": 0.0,
+                            "grad_clip_norm": 0.0})
+        losses.append(total)
+    return losses, student.state_dict()
+
+
+def test_off_policy_distillation_lowers_the_students_loss(server, cookbook_env, tmp_path: Path) -> None:
+    """``distillation/train_off_policy.main`` (soft targets from a teacher): the cookbook asks the teacher's sampler
+    for the top-k logprobs of every prompt position (``topk_prompt_logprobs``) of the cookbook's own example
+    conversations and trains the student with ``cross_entropy`` on ``[N, K]`` targets. The teacher is the same base
+    model with an adapter the test first trains on those conversations (a training checkpoint, the recipe's
+    ``TeacherConfig.load_checkpoint_path``); the student starts from a saved fresh adapter (``load_checkpoint_path``)
+    so that the replay knows it. The student's loss per trained position falls, and every step's ``loss:sum`` and
+    the final adapters equal a plain-PyTorch replay. ``n_teacher_targets`` is the whole vocabulary: with the
+    recipe's 20 the replay's top-20 would differ from the server's wherever the 20th and 21st logprobs tie within
+    float noise, which a tiny model's flat tail makes frequent."""
+    if server.zero_stage != 0:
+        pytest.skip("one stage is enough: the recipe's requests are those the SDK tests check on every stage")
+    import asyncio
+
+    import tinker
+    import tinker_cookbook
+    from tinker_cookbook.distillation import train_off_policy
+    from tinker_cookbook.distillation.datasets import TeacherConfig
+    from tinker_cookbook.renderers import TrainOnWhat
+    from tinker_cookbook.supervised.data import FromConversationFileBuilder
+    from tinker_cookbook.supervised.types import ChatDatasetBuilderCommonConfig
+
+    from examples.tinker_server.model import BASE_MODELS, LoraSpec, register_local_model
+    from tinker_sdk_helpers import max_weight_difference, saved_weights
+
+    conversations = Path(tinker_cookbook.__file__).parent / "example_data" / "conversations.jsonl"
+    batch_size, steps, lr = 8, 6, 2e-2
+    builder = FromConversationFileBuilder(
+        common_config=ChatDatasetBuilderCommonConfig(model_name_for_tokenizer=QWEN, renderer_name="qwen3",
+                                                     max_length=128, batch_size=batch_size,
+                                                     train_on_what=TrainOnWhat.ALL_ASSISTANT_MESSAGES),
+        file_path=str(conversations))
+    dataset, _ = builder()
+    batches = [dataset.get_batch(i) for i in range(steps)]
+
+    # The teacher: a few SFT steps on the same conversations; the student: a fresh adapter, saved
+    service = tinker.ServiceClient(base_url=server.base_url)
+    teacher_lora, student_lora = LoraSpec(rank=8, seed=3), LoraSpec(rank=32, seed=4)
+    teacher = service.create_lora_training_client(base_model=QWEN, rank=teacher_lora.rank, seed=teacher_lora.seed)
+    teacher = teacher.result()
+    for step in range(8):
+        teacher.forward_backward(batches[step % steps], "cross_entropy")
+        teacher.optim_step(tinker.AdamParams(learning_rate=5e-2)).result()
+    teacher_path = teacher.save_state("teacher").result().path
+    student = service.create_lora_training_client(base_model=QWEN, rank=student_lora.rank,
+                                                  seed=student_lora.seed).result()
+    start = student.save_state("student-initial").result().path
+
+    register_local_model(str(server.chat_models[QWEN]))
+    vocab = BASE_MODELS[str(server.chat_models[QWEN])].vocab_size
+    log_path = tmp_path / "distillation"
+    config = train_off_policy.Config(
+        learning_rate=lr, model_name=QWEN, recipe_name="recipe_distillation_off_policy", renderer_name="qwen3",
+        dataset_configs=[train_off_policy.DatasetWithTeacher(
+            dataset_builder=builder, teacher_config=TeacherConfig(base_model=QWEN, load_checkpoint_path=teacher_path))],
+        n_teacher_targets=vocab, batch_size=batch_size, max_steps=steps, save_every=0, eval_every=0,
+        load_checkpoint_path=start, log_path=str(log_path), base_url=server.base_url)
+    asyncio.run(train_off_policy.main(config))
+
+    loss = metrics(log_path, "train/loss:sum")
+    positions = [sum(w > 0 for datum in batch for w in datum.loss_fn_inputs["weights"].data) for batch in batches]
+    per_position = [value / count for value, count in zip(loss, positions)]
+    assert len(loss) == steps and all(math.isfinite(x) for x in loss)
+    # From log(vocabulary) (a fresh student is nearly uniform) toward the teacher's entropy: measured 5.6 -> 3.8
+    assert sum(per_position[-2:]) / 2 < sum(per_position[:2]) / 2 - 0.5, f"the loss did not fall: {per_position}"
+
+    expected, weights = replay_distillation(server.chat_models[QWEN], student_lora, teacher_lora,
+                                            saved_weights(server.checkpoint_dir, teacher_path), batches, lr)
+    np.testing.assert_allclose(loss, expected, rtol=1e-5)
     final = json.loads((log_path / "checkpoints.jsonl").read_text().splitlines()[-1])["state_path"]
     difference = max_weight_difference(saved_weights(server.checkpoint_dir, final), weights)
     moved = max_weight_difference(saved_weights(server.checkpoint_dir, start), weights)
