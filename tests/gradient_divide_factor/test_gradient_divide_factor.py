@@ -1,6 +1,7 @@
 """PR 5: step(gradient_divide_factor=...) normalises the summed gradient once per step, on every stage."""
 
 import pytest
+import torch
 
 from support import scenarios
 
@@ -79,6 +80,61 @@ def test_an_unreadable_factor_on_one_rank_raises_on_every_rank(dist, path_name):
     messages = dist.run(scenarios.factor_errors_on_one_rank, path_name, "unreadable")
     assert "meta" in messages[0][0] and "complex" in messages[0][1].lower(), messages[0]
     assert all("invalid on another" in m for m in messages[1]), messages[1]
+
+
+VOCABULARY = 16
+
+
+class _EmbeddingMLP(torch.nn.Module):
+    """TinyMLP with an embedding of token ids read off the inputs: with ``"sparse_gradients": true`` the engine
+    all-reduces the embedding's gradient as a sparse tensor (only the rows the batch used)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from support.training import FEATURES, HIDDEN, OUTPUTS
+
+        self.embed = torch.nn.Embedding(VOCABULARY, HIDDEN)
+        self.fc1 = torch.nn.Linear(FEATURES, HIDDEN)
+        self.fc2 = torch.nn.Linear(HIDDEN, OUTPUTS)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ids = (x[:, 0].abs() * 7).long() % VOCABULARY
+        return self.fc2(torch.nn.functional.gelu(self.fc1(x) + self.embed(ids)))
+
+
+def _make_embedding_model() -> torch.nn.Module:
+    torch.manual_seed(1234)
+    return _EmbeddingMLP()
+
+
+def _sparse_gradients_take_the_factor() -> None:
+    """The factor replaces the data-parallel averaging of sparse gradients too (the engine's sparse all-reduce):
+    raw losses with the factor 2 * dp_world_size equal halved losses without one, bitwise (powers of two scale
+    exactly), in the embedding as in the dense layers."""
+    from support.paths import Path
+    from support.training import assert_identical, destroy, forward_loss, snapshot
+
+    path = Path(0, "fp32", {"sparse_gradients": True}, model_fn=_make_embedding_model)
+    runs = []
+    for with_factor in (True, False):
+        engine = path.initialize(gas=1, managed=False)
+        assert engine.sparse_tensor_module_names == {"embed.weight"}
+        for step in range(3):
+            for i in range(2):
+                loss = forward_loss(engine, step, i)
+                engine.backward(loss if with_factor else loss * 0.5, scale_wrt_gas=False)
+            if with_factor:
+                engine.step(gradient_divide_factor=2.0 * engine.dp_world_size)
+            else:
+                engine.step()
+        runs.append(snapshot(engine))
+        destroy(engine)
+    assert_identical(runs[1], runs[0], "raw losses with the factor 2 * dp_world_size vs halved losses")
+
+
+@pytest.mark.world_size(1, 2)
+def test_sparse_gradients_take_the_factor(dist):
+    dist.run(_sparse_gradients_take_the_factor)
 
 
 def _hybrid_engine_takes_the_factor() -> None:
