@@ -18,6 +18,14 @@ from .model import parse_base_model
 DEFAULT_CHECKPOINTS = ROOT / "scratch" / "tinker_checkpoints"
 
 
+def _positive_int(value: str) -> int:
+    """An argparse type: a whole number >= 1."""
+    number = int(value)
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return number
+
+
 def _server_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], default=1)
     parser.add_argument("--checkpoint-dir", type=Path, default=DEFAULT_CHECKPOINTS,
@@ -37,6 +45,9 @@ def _server_options(parser: argparse.ArgumentParser) -> None:
                         "and Adam state)")
     parser.add_argument("--gradient-checkpointing", action="store_true",
                         help="recompute each decoder layer's activations in backward instead of keeping them")
+    parser.add_argument("--keep-checkpoints", type=_positive_int, default=None, metavar="K",
+                        help="keep only each training run's K newest training and K newest sampler checkpoints, "
+                        "deleting older ones after each save (default: keep all)")
 
 
 def _rank_args(args: argparse.Namespace) -> list[str]:
@@ -54,6 +65,8 @@ def _rank_args(args: argparse.Namespace) -> list[str]:
     out += ["--device", args.device, "--host", args.host, "--dtype", args.dtype]
     if args.gradient_checkpointing:
         out.append("--gradient-checkpointing")
+    if args.keep_checkpoints is not None:
+        out += ["--keep-checkpoints", str(args.keep_checkpoints)]
     return out
 
 
@@ -146,7 +159,8 @@ def main(argv: list[str] | None = None) -> int:
                                 ready_file=args.ready_file, max_chunk_datums=args.max_chunk_datums,
                                 compress_fwdbwd=not args.no_compress, long_poll_s=args.long_poll_s,
                                 base_models=tuple(args.base_model), host=args.host, device=args.device,
-                                dtype=args.dtype, gradient_checkpointing=args.gradient_checkpointing))
+                                dtype=args.dtype, gradient_checkpointing=args.gradient_checkpointing,
+                                keep_checkpoints=args.keep_checkpoints))
     # A rank that stopped cleanly exits without interpreter teardown: C++ threads left by the libraries
     # (seen with ZeRO-3) abort the process ("terminate called without an active exception") otherwise.
     sys.stdout.flush()

@@ -69,6 +69,9 @@ class ApiSettings:
     long_poll_s: float = 10.0
     #: Where a byte-level tokenizer is written for clients (``get_info``'s ``tokenizer_id``); None: not offered.
     byte_tokenizer_dir: Path | None = None
+    #: Keep only each training run's K newest training and K newest sampler checkpoints (``--keep-checkpoints``);
+    #: None: keep every one (until its TTL, if any).
+    keep_checkpoints: int | None = None
 
 
 def parse_tinker_path(path: str, kinds: tuple[str, ...] = ("weights", )) -> tuple[str, str]:
@@ -539,6 +542,14 @@ class TinkerApi:
             directory = Path(info["dir"])
             self.store.add_checkpoint(info["run_id"], info["checkpoint_id"], directory, directory_size(directory),
                                       info["ttl_seconds"], info["user_metadata"])
+            self.prune_checkpoints(info["run_id"])
+
+    def prune_checkpoints(self, run_id: str | None = None) -> list[str]:
+        """Rank 0's job loop, after a save and at start-up: with ``keep_checkpoints`` set, delete the checkpoints
+        beyond each run's (or ``run_id``'s) K newest training and K newest sampler checkpoints."""
+        if self.settings.keep_checkpoints is None:
+            return []
+        return self.store.prune(self.settings.keep_checkpoints, run_id)
 
     def reap_expired(self, every_s: float = 1.0) -> list[str]:
         """Rank 0's job loop, between jobs (never during a save): delete expired checkpoints."""

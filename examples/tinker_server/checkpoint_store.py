@@ -4,6 +4,8 @@ Rank 0 alone uses it (HTTP threads and the job loop, one connection behind a loc
 recorded once its files are complete; one whose ``ttl_seconds`` have passed is hidden at once and
 deleted, files and row, by ``reap()``, which the job loop calls between jobs (so it never deletes a
 directory a save is writing) and at start-up (so what expired while the server was down goes too).
+With ``--keep-checkpoints K``, ``prune()`` keeps only each run's K newest training and K newest sampler
+checkpoints, after each save and at start-up.
 """
 
 from __future__ import annotations
@@ -213,6 +215,30 @@ class CheckpointStore:
         for row in rows:
             self._remove(row)
         return [row.tinker_path for row in rows]
+
+    def prune(self, keep: int, run_id: str | None = None) -> list[str]:
+        """Keep the ``keep`` newest unexpired training and the ``keep`` newest unexpired sampler checkpoints of each
+        run (of ``run_id`` when given) and delete the older ones, files and record; their tinker paths. Exports
+        (``external``) are left alone: a download deletes its own once fetched."""
+        if keep < 1:
+            raise ValueError(f"keep must be at least 1, got {keep}")
+        where = ["checkpoint_type IN ('training', 'sampler')", "(expires_at IS NULL OR expires_at > ?)"]
+        args: list[Any] = [self._clock()]
+        if run_id is not None:
+            where.append("training_run_id = ?")
+            args.append(run_id)
+        rows = [self._checkpoint(row) for row in self._rows(
+            f"SELECT * FROM checkpoints WHERE {' AND '.join(where)} "
+            "ORDER BY training_run_id, checkpoint_type, time DESC, checkpoint_id", *args)]
+        seen: dict[tuple[str, str], int] = {}
+        pruned = []
+        for row in rows:
+            key = (row.training_run_id, row.checkpoint_type)
+            seen[key] = seen.get(key, 0) + 1
+            if seen[key] > keep:
+                self._remove(row)
+                pruned.append(row.tinker_path)
+        return pruned
 
     def _remove(self, row: CheckpointRow) -> None:
         shutil.rmtree(row.directory, ignore_errors=True)

@@ -57,6 +57,8 @@ class RankOptions:
     dtype: str = "fp32"
     #: Recompute each decoder layer's activations in backward (``--gradient-checkpointing``).
     gradient_checkpointing: bool = False
+    #: Keep only each training run's K newest training and K newest sampler checkpoints (``--keep-checkpoints``).
+    keep_checkpoints: int | None = None
 
 
 def versions_line() -> str:
@@ -99,7 +101,8 @@ def _drive(worker: Worker, options: RankOptions) -> None:
     scheduler = Scheduler(futures)
     tokenizer_dir = write_byte_tokenizer(options.checkpoint_root / "tokenizers" / "byte-level")
     api = TinkerApi(scheduler, ApiSettings(options.checkpoint_root, options.max_chunk_datums, options.compress_fwdbwd,
-                                           options.long_poll_s, tokenizer_dir.resolve()))
+                                           options.long_poll_s, tokenizer_dir.resolve(),
+                                           keep_checkpoints=options.keep_checkpoints))
     http = start_http(api, options.port, options.host)
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: scheduler.stop())
@@ -115,6 +118,7 @@ def _drive(worker: Worker, options: RankOptions) -> None:
         tmp.replace(options.ready_file)
     try:
         api.reap_expired(every_s=0)  # what expired while the server was down
+        api.prune_checkpoints()  # a run's older checkpoints, should --keep-checkpoints be lower than before
         while not scheduler.stopped:
             api.reap_expired()  # here, between jobs, a save never has its directory deleted under it
             job = scheduler.next_job(timeout=1.0)

@@ -55,9 +55,10 @@ def unmanaged_stage_supported(stage: int) -> bool:
     return True
 
 
-def start_server(tmp_dir: Path, zero_stage: int, checkpoint_dir: Path | None = None, base_models: tuple = ()):
-    """A 2-rank server on loopback with short long-polls, serving ``base_models`` (``PATH`` or ``NAME=PATH``);
-    the caller stops it (by PID)."""
+def start_server(tmp_dir: Path, zero_stage: int, checkpoint_dir: Path | None = None, base_models: tuple = (),
+                 extra_args: tuple[str, ...] = ()):
+    """A 2-rank server on loopback with short long-polls, serving ``base_models`` (``PATH`` or ``NAME=PATH``), with
+    ``extra_args`` added to its command line; the caller stops it (by PID)."""
     from examples.tinker_server.launch import ServerProcess
 
     # Two GPUs or more: the server's default, one rank per GPU (NCCL). Fewer: 2 CPU ranks (gloo).
@@ -67,6 +68,7 @@ def start_server(tmp_dir: Path, zero_stage: int, checkpoint_dir: Path | None = N
     extra = ["--max-chunk-datums", "4", "--long-poll-s", "1", "--device", device]
     for path in base_models:
         extra += ["--base-model", str(path)]
+    extra += list(extra_args)
     server = ServerProcess(world_size=2, zero_stage=zero_stage, checkpoint_dir=checkpoint_dir or tmp_dir / "ckpt",
                            extra_args=extra, log_path=tmp_dir / f"server-zero{zero_stage}.log")
     try:
