@@ -137,6 +137,73 @@ def test_sparse_gradients_take_the_factor(dist):
     dist.run(_sparse_gradients_take_the_factor)
 
 
+def _legacy_fused_sgd(params):
+    """A FusedAdam (so DeepSpeed picks the fused FP16_Optimizer) with the legacy fused interface that
+    ``"optimizer": {"legacy_fusion": true}`` drives (FP16_Optimizer.step_fused_adam()): it gets the flat fp16
+    gradients, the combined loss/clipping scale and the fp16 parameters to write. DeepSpeed's own FusedAdam
+    refuses those arguments (apex's legacy FusedAdam took them), so the update is written here: plain SGD."""
+    from deepspeed.ops.adam import FusedAdam
+
+    class LegacyFusedSGD(FusedAdam):
+
+        def __init__(self, params, lr=1e-2):
+            torch.optim.Optimizer.__init__(self, params, dict(lr=lr))
+
+        @torch.no_grad()
+        def step(self, closure=None, grads=None, output_params=None, scale=1.0, grad_norms=None, **kwargs):
+            if grads is None:  # the plain interface, which FP16_Optimizer uses once to create optimizer state
+                for group in self.param_groups:
+                    for p in group["params"]:
+                        if p.grad is not None:
+                            p.add_(p.grad, alpha=-group["lr"])
+                return
+            for group, group_grads, group_out in zip(self.param_groups, grads, output_params):
+                for p, g, out in zip(group["params"], group_grads, group_out):
+                    p.add_(g.float() / scale, alpha=-group["lr"])
+                    out.copy_(p)
+
+    return LegacyFusedSGD(params)
+
+
+def _legacy_fused_norm_is_normalised() -> None:
+    """(c) on the legacy fused FP16 path: raw token-sum losses with the global token count as the factor report
+    the gradient norm of pre-divided losses with the factor 1 (the norm of the normalised gradient), as the
+    other fp16 paths do; without the factor in it, the raw run's norm is tokens / dp_world_size times larger."""
+    from support.paths import Path
+    from support.training import destroy
+
+    path = Path(0,
+                "fp16", {"optimizer": {
+                    "type": None,
+                    "params": None,
+                    "legacy_fusion": True
+                }},
+                lambda: {"optimizer": _legacy_fused_sgd},
+                needs_fp16=True)
+    norms = {}
+    for predivide in (False, True):
+        engine = path.initialize(gas=1, managed=False)
+        assert engine.optimizer.fused_adam_legacy, "the engine must take the legacy fused FP16 path"
+        norms[predivide] = []
+        for step, n in enumerate([2, 3]):
+            tokens = scenarios._global_tokens(n, step)
+            for i in range(n):
+                loss, _ = scenarios._token_sum_loss(engine, step, i)
+                engine.backward(loss / tokens if predivide else loss, scale_wrt_gas=False)
+            engine.step(gradient_divide_factor=1.0 if predivide else tokens)
+            assert engine.skipped_steps == 0
+            norms[predivide].append(float(engine.get_global_grad_norm()))
+        destroy(engine)
+    # The two runs' fp16 gradients round differently (losses scaled before or after backward): two fp16 ulps
+    torch.testing.assert_close(torch.tensor(norms[False]), torch.tensor(norms[True]),
+                               rtol=2 * torch.finfo(torch.float16).eps, atol=0)
+
+
+@pytest.mark.world_size(1, 2)
+def test_legacy_fused_fp16_norm_sees_the_normalised_gradient(dist):
+    dist.run(_legacy_fused_norm_is_normalised)
+
+
 def _hybrid_engine_takes_the_factor() -> None:
     """DeepSpeedHybridEngine (RLHF) overrides step(): it must take and forward the factor. Its step() body is
     run on an unmanaged engine with the hybrid engine's inference state empty (building a real hybrid engine
