@@ -154,6 +154,39 @@ class SamplerPool:
             part["prompt"] = prompt_logprobs(module, prompt, job)
         return part
 
+    def sample_many(self, jobs: list[SampleJob], shares: list[range], with_prompt: bool) -> list[tuple[str, Any]]:
+        """Several ``asample`` requests at once (concurrent requests, batched): this rank's share of each, as
+        ``("ok", part)`` or ``("user", message)`` per job. Requests on the same weights, with the same sampling
+        parameters and prompts of the same length decode as one batch (``generate_batch``: the same tokens as one
+        at a time); each is then scored on its own, as ``sample`` does."""
+        results: list[tuple[str, Any] | None] = [None] * len(jobs)
+        groups: dict[tuple, list[int]] = {}
+        for j, job in enumerate(jobs):
+            weights = json.dumps([job.snapshot.snapshot_id, job.snapshot.base_model, job.snapshot.lora,
+                                  job.snapshot.file], sort_keys=True)
+            groups.setdefault((weights, len(job.prompt), sampling_key(job)), []).append(j)
+        for members in groups.values():
+            first = jobs[members[0]]
+            try:
+                module = self._module(first.snapshot)
+                prompts = {j: torch.tensor(jobs[j].prompt, dtype=torch.long, device=self.device) for j in members}
+                going = [j for j in members if shares[j]]
+                completions = generate_batch(module, [(prompts[j], [jobs[j].seeds[i] for i in shares[j]])
+                                                      for j in going], first,
+                                             self.decoder(first.snapshot.base_model)) if going else []
+                done = dict(zip(going, completions))
+                for j in members:
+                    part: dict[str, Any] = {"sequences": []}
+                    if j in done:
+                        part["sequences"] = score(module, prompts[j], done[j], jobs[j].topk_sample_logprobs)
+                    if with_prompt and jobs[j].prompt_logprobs:
+                        part["prompt"] = prompt_logprobs(module, prompts[j], jobs[j])
+                    results[j] = ("ok", part)
+            except UserError as e:
+                for j in members:
+                    results[j] = ("user", str(e))
+        return results  # type: ignore[return-value]
+
 
 def _filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     """Keep the top-k tokens and the smallest nucleus of mass ``top_p``; the rest get -inf."""
@@ -169,10 +202,138 @@ def _filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tens
     return logits
 
 
+class StopStrings:
+    """Whether a completion's text contains a stop string yet, checked as tokens arrive, decoding only the last few.
+
+    Equal to ``any(s in decode(tokens) for s in stops)`` after each token, the check the sampler made by decoding the
+    whole completion at every token (``generate_reference``). The text is detokenized incrementally as inference
+    servers do it: a window from the previous read offset is decoded, text that ends in an incomplete character
+    (U+FFFD) stays pending until the character completes, and only the window's new text is searched, with the
+    ``longest - 1`` characters before it (an occurrence that ended earlier was found then).
+    """
+
+    def __init__(self, stops: tuple[str, ...], decode: Callable[[list[int]], str]) -> None:
+        self.stops = stops
+        self.decode = decode
+        self.overlap = max(len(s) for s in stops) - 1
+        self.tokens: list[int] = []
+        self.text = ""  # the text of tokens[:read_offset]
+        self.prefix_offset = 0
+        self.read_offset = 0
+
+    def add(self, token: int) -> bool:
+        self.tokens.append(token)
+        window = self.tokens[self.prefix_offset:]
+        prefix = self.decode(window[:self.read_offset - self.prefix_offset])
+        pending = self.decode(window)[len(prefix):]
+        tail = self.text[len(self.text) - self.overlap:] if self.overlap else ""
+        found = any(s in tail + pending for s in self.stops)
+        if pending and not pending.endswith("\ufffd"):  # complete: the window's text becomes part of self.text
+            self.text += pending
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
+        return found
+
+
+def _exponential_noise(rows: int, vocab: int, generators: list[torch.Generator], device: torch.device) -> torch.Tensor:
+    """Row ``r`` holds ``vocab`` Exp(1) draws from ``generators[r]``: exactly what ``torch.multinomial(p, 1,
+    generator=g)`` draws for a 1-D ``p`` (it samples ``argmax(p / q)`` with ``q ~ Exp(1)``, the exponential race
+    form of the Gumbel-max trick), so ``argmax(probs / noise)`` over a batch is each row's multinomial draw."""
+    noise = torch.empty(rows, vocab, device=device, dtype=torch.float32)
+    for row, generator in enumerate(generators):
+        noise[row].exponential_(1, generator=generator)
+    return noise
+
+
+def sampling_key(job: SampleJob) -> tuple:
+    """What requests must share to decode in one batch (besides the weights and the prompt length)."""
+    return (job.max_tokens, job.temperature, job.top_k, job.top_p, job.stop_tokens, job.stop_strings)
+
+
 @torch.no_grad()
 def generate(module: torch.nn.Module, prompt: torch.Tensor, job: SampleJob, seeds: list[int],
              decode: Callable[[list[int]], str]) -> list[tuple[list[int], str]]:
-    """(completion tokens, stop reason) per seed; sample ``i`` depends only on its seed.
+    """(completion tokens, stop reason) per seed; sample ``i`` depends only on its seed, and equals
+    ``generate_reference``'s (the tests compare them). One request: ``generate_batch`` of one."""
+    return generate_batch(module, [(prompt, seeds)], job, decode)[0]
+
+
+@torch.no_grad()
+def generate_batch(module: torch.nn.Module, requests: list[tuple[torch.Tensor, list[int]]], job: SampleJob,
+                   decode: Callable[[list[int]], str]) -> list[list[tuple[list[int], str]]]:
+    """Several requests' samples decoded as one batch: ``requests`` are (prompt, seeds) pairs whose prompts have
+    the same length, sampled with ``job``'s parameters (``sampling_key``); per request, (completion tokens, stop
+    reason) per seed, each sample exactly what ``generate_reference`` draws for its prompt and seed.
+
+    Each distinct prompt is run once and its KV cache repeated per sample; every step draws all samples' tokens in
+    one batched operation (``_exponential_noise``, each sample's noise from its own generator); a finished sample
+    leaves the batch (its rows of the KV cache are dropped), so later steps run only the samples still going;
+    stop strings are checked incrementally (``StopStrings``). No row is ever padded (equal prompt lengths, equal
+    cache lengths), so a row's numbers are those of its request alone. The token that completes a stop token or
+    stop string is kept in the completion (reason ``stop``); a completion that reaches ``max_tokens`` first ends
+    with reason ``length``.
+    """
+    device = requests[0][0].device
+    unique: dict[tuple[int, ...], int] = {}
+    owner: list[int] = []  # sample -> its prompt's row in the prefill
+    seeds: list[int] = []
+    for prompt, request_seeds in requests:
+        row = unique.setdefault(tuple(prompt.tolist()), len(unique))
+        owner += [row] * len(request_seeds)
+        seeds += request_seeds
+    n = len(seeds)
+    generators = [torch.Generator(device=device).manual_seed(s) for s in seeds]
+    prompts = torch.tensor(list(unique), dtype=torch.long, device=device)
+    out = module(input_ids=prompts, use_cache=True)
+    # transformers 5 names the KV cache ``cache``; older releases (and some architectures) ``past_key_values``.
+    cache_name = "cache" if "cache" in out else "past_key_values"
+    past = out[cache_name]
+    rows = torch.tensor(owner, device=device)
+    logits = out.logits[:, -1].float().index_select(0, rows)
+    if owner != list(range(len(unique))):
+        past.reorder_cache(rows)
+    completions: list[list[int]] = [[] for _ in range(n)]
+    reasons: list[str | None] = [None] * n
+    stop_tokens = set(job.stop_tokens)
+    checkers = [StopStrings(job.stop_strings, decode) for _ in range(n)] if job.stop_strings else None
+    active = list(range(n))  # batch row -> sample index
+    for step in range(job.max_tokens):
+        if job.temperature == 0:
+            chosen = torch.argmax(logits, dim=-1)
+        else:
+            probs = torch.softmax(_filter_logits(logits / job.temperature, job.top_k, job.top_p), dim=-1)
+            noise = _exponential_noise(len(active), probs.shape[-1], [generators[i] for i in active], probs.device)
+            chosen = torch.argmax(probs / noise, dim=-1)
+        keep = []
+        for row, (i, token) in enumerate(zip(active, chosen.tolist())):
+            completions[i].append(token)
+            if token in stop_tokens or (checkers is not None and checkers[i].add(token)):
+                reasons[i] = "stop"
+            else:
+                keep.append(row)
+        if not keep or step + 1 == job.max_tokens:
+            break
+        if len(keep) < len(active):
+            kept = torch.tensor(keep, device=device)
+            past.reorder_cache(kept)
+            chosen = chosen[kept]
+            active = [active[row] for row in keep]
+        out = module(input_ids=chosen.unsqueeze(1), use_cache=True, **{cache_name: past})
+        past, logits = out[cache_name], out.logits[:, -1].float()
+    results = [(tokens, reason or "length") for tokens, reason in zip(completions, reasons)]
+    split, at = [], 0
+    for _, request_seeds in requests:
+        split.append(results[at:at + len(request_seeds)])
+        at += len(request_seeds)
+    return split
+
+
+@torch.no_grad()
+def generate_reference(module: torch.nn.Module, prompt: torch.Tensor, job: SampleJob, seeds: list[int],
+             decode: Callable[[list[int]], str]) -> list[tuple[list[int], str]]:
+    """The sampler as it was before ``generate``: kept as the reference ``generate`` must equal (tests, benchmark).
+
+    (completion tokens, stop reason) per seed; sample ``i`` depends only on its seed. Every sample decodes until
+    all are done, draws one at a time, and decodes its whole completion at every token for stop strings.
 
     The token that completes a stop token or stop string is kept in the completion (reason
     ``stop``); a completion that reaches ``max_tokens`` first ends with reason ``length``.

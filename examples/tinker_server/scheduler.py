@@ -168,6 +168,15 @@ class Scheduler:
                 return None
             return self._ready.popleft()
 
+    def take_consecutive(self, kind: str, limit: int) -> list[Job]:
+        """Up to ``limit`` more jobs of ``kind`` from the head of the queue, without waiting (the jobs that
+        follow the one just taken, e.g. concurrent sampling requests to run as one batch); order is kept."""
+        taken: list[Job] = []
+        with self._lock:
+            while self._ready and self._ready[0].kind == kind and len(taken) < limit:
+                taken.append(self._ready.popleft())
+        return taken
+
     def stop(self) -> None:
         with self._lock:
             self._stopped = True

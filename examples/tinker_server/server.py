@@ -95,6 +95,32 @@ def _execute(worker: Worker, job: Job, futures: FutureStore) -> bool:
     return True
 
 
+#: Most sampling requests batched into one command.
+MAX_SAMPLE_BATCH = 32
+
+
+def _execute_samples(worker: Worker, jobs: list[Job], futures: FutureStore) -> list[bool]:
+    """Concurrent sampling requests (consecutive in the queue) as one command on every rank, so they decode as one
+    batch (``SamplerPool.sample_many``); each future gets its own result or its own user error."""
+    command: list[Any] = [("sample_many", "", [job.payload for job in jobs])]
+    dist.broadcast_object_list(command, src=0)
+    parts: list[Any] = [None] * worker.world_size
+    dist.gather_object(_run_safely(worker, *command[0]), parts, dst=0)
+    failures = [part for part in parts if part[0] != "ok"]
+    if failures:
+        for job in jobs:
+            futures.fail(job.request_id, failures[0][1], failures[0][0])
+        return [False] * len(jobs)
+    done = []
+    for job, (status, value) in zip(jobs, merge("sample_many", [part[1] for part in parts])):
+        if status == "ok":
+            futures.resolve(job.request_id, value)
+        else:
+            futures.fail(job.request_id, value, status)
+        done.append(status == "ok")
+    return done
+
+
 def _drive(worker: Worker, options: RankOptions) -> None:
     """Rank 0: serve HTTP, execute jobs in order until SIGTERM/SIGINT, then stop the followers."""
     futures = FutureStore()
@@ -131,6 +157,12 @@ def _drive(worker: Worker, options: RankOptions) -> None:
                     futures.fail(job.request_id, str(e), "user")
                     continue
                 api.store.forget(job.payload["checkpoint"]["run_id"], job.payload["checkpoint"]["checkpoint_id"])
+            if job.kind == "sample":
+                batch = [job, *scheduler.take_consecutive("sample", MAX_SAMPLE_BATCH - 1)]
+                if len(batch) > 1:
+                    for each, ok in zip(batch, _execute_samples(worker, batch, futures)):
+                        api.job_finished(each.kind, each.model_id, each.payload, ok)
+                    continue
             api.job_finished(job.kind, job.model_id, job.payload, _execute(worker, job, futures))
     finally:
         dist.broadcast_object_list([None], src=0)

@@ -166,6 +166,9 @@ class Worker:
             return self._create(model_id, payload)
         if kind == "sample":
             return self._sample(payload)
+        if kind == "sample_many":  # concurrent sampling requests, batched (server._execute_samples)
+            return self.samplers.sample_many(payload, [share(j.num_samples, self.rank, self.world_size)
+                                                       for j in payload], self.rank == 0)
         if kind == "unload":
             gone = self.models.pop(model_id, None)
             if gone is not None and not any(m.base_model == gone.base_model and m.lora is not None
@@ -342,6 +345,12 @@ def merge(kind: str, parts: list[Any]) -> Any:
     """Rank 0: one result from every rank's part (datum and sample shares concatenate in rank order)."""
     if kind == "sample":
         return merge_samples(parts)
+    if kind == "sample_many":  # per job: ("ok", SampleResult) or the first rank's ("user", message)
+        merged = []
+        for per_job in zip(*parts):
+            failed = next((status for status in per_job if status[0] != "ok"), None)
+            merged.append(failed or ("ok", merge_samples([status[1] for status in per_job])))
+        return merged
     if kind in ("forward_backward", "forward"):
         from .wire import FwdBwdResult
 
