@@ -86,14 +86,15 @@ VOCABULARY = 16
 
 
 class _EmbeddingMLP(torch.nn.Module):
-    """TinyMLP with an embedding of token ids read off the inputs: with ``"sparse_gradients": true`` the engine
-    all-reduces the embedding's gradient as a sparse tensor (only the rows the batch used)."""
+    """TinyMLP with an embedding of token ids read off the inputs. Its gradient is sparse (``sparse=True``): the
+    engine all-reduces it as a sparse tensor (only the rows the batch used), with no config flag (DeepSpeed 0.19.8
+    removed ``sparse_gradients``, which compressed dense embedding gradients)."""
 
     def __init__(self) -> None:
         super().__init__()
         from support.training import FEATURES, HIDDEN, OUTPUTS
 
-        self.embed = torch.nn.Embedding(VOCABULARY, HIDDEN)
+        self.embed = torch.nn.Embedding(VOCABULARY, HIDDEN, sparse=True)
         self.fc1 = torch.nn.Linear(FEATURES, HIDDEN)
         self.fc2 = torch.nn.Linear(HIDDEN, OUTPUTS)
 
@@ -110,19 +111,20 @@ def _make_embedding_model() -> torch.nn.Module:
 def _sparse_gradients_take_the_factor() -> None:
     """The factor replaces the data-parallel averaging of sparse gradients too (the engine's sparse all-reduce):
     raw losses with the factor 2 * dp_world_size equal halved losses without one, bitwise (powers of two scale
-    exactly), in the embedding as in the dense layers."""
+    exactly), in the embedding as in the dense layers. SGD, which takes sparse gradients, as a client optimizer."""
     from support.paths import Path
     from support.training import assert_identical, destroy, forward_loss, snapshot
 
-    path = Path(0, "fp32", {"sparse_gradients": True}, model_fn=_make_embedding_model)
+    path = Path(0, "fp32", {"optimizer": None}, lambda: {"optimizer": lambda params: torch.optim.SGD(params, lr=0.05)},
+                model_fn=_make_embedding_model)
     runs = []
     for with_factor in (True, False):
         engine = path.initialize(gas=1, managed=False)
-        assert engine.sparse_tensor_module_names == {"embed.weight"}
         for step in range(3):
             for i in range(2):
                 loss = forward_loss(engine, step, i)
                 engine.backward(loss if with_factor else loss * 0.5, scale_wrt_gas=False)
+            assert engine.module.embed.weight.grad.is_sparse
             if with_factor:
                 engine.step(gradient_divide_factor=2.0 * engine.dp_world_size)
             else:
