@@ -3,6 +3,7 @@
 
     python -m benchmarks.tinker_memory [--stages 1 2 3] [--worlds 1 2 4] [--json PATH] [--markdown PATH]
     python -m benchmarks.tinker_memory render PATH.json     # the table again from a --json file
+    python -m benchmarks.tinker_memory --lora-clients 3 --stages 1 3 --worlds 2   # one base, several LoRA clients
 
 The model is a real architecture, randomly initialised and saved with ``save_pretrained`` (a Qwen3: 8 layers,
 width 512, MLP 1536, 8 heads / 4 KV heads, vocabulary 32768, untied unembedding: 58 M parameters, 233 MB in fp32),
@@ -47,7 +48,7 @@ def build_model_dir(directory: Path) -> Path:
     return directory.resolve()
 
 
-def rank_main(out: Path, stage: int, model_dir: str) -> None:
+def rank_main(out: Path, stage: int, model_dir: str, lora_clients: int = 0) -> None:
     from benchmarks.memory import current_rss_bytes, peak_rss_bytes, reset_peak_rss, stabilize_allocator
 
     stabilize_allocator()
@@ -77,6 +78,17 @@ def rank_main(out: Path, stage: int, model_dir: str) -> None:
     worker = Worker(rank, world, stage)
     dist.barrier()
     baseline = current_rss_bytes()
+    if lora_clients:  # resident memory after each LoRA client of the same base model is created
+        from examples.tinker_server.model import LoraSpec
+
+        after = []
+        for i in range(lora_clients):
+            worker.run("create", f"lora{i}", ModelRecord(f"lora{i}", "s", spec.name, LoraSpec(rank=32, seed=i)))
+            dist.barrier()
+            after.append(current_rss_bytes())
+        (out / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "baseline": baseline, "after": after}))
+        dist.destroy_process_group()
+        return
     reset_peak_rss()
     start = time.perf_counter()
     worker.run("create", "m", ModelRecord("m", "s", spec.name, None))
@@ -102,10 +114,10 @@ def rank_main(out: Path, stage: int, model_dir: str) -> None:
     dist.destroy_process_group()
 
 
-def run_config(stage: int, world: int, model_dir: Path, scratch: Path) -> list[dict]:
+def run_config(stage: int, world: int, model_dir: Path, scratch: Path, lora_clients: int = 0) -> list[dict]:
     from examples.ranks import free_port, rank_env
 
-    out = scratch / f"zero{stage}-w{world}"
+    out = scratch / (f"zero{stage}-w{world}" + (f"-lora{lora_clients}" if lora_clients else ""))
     out.mkdir(parents=True, exist_ok=True)
     for old in out.glob("rank*.json"):
         old.unlink()
@@ -116,7 +128,8 @@ def run_config(stage: int, world: int, model_dir: Path, scratch: Path) -> list[d
         env.update(PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
         log = open(out / f"rank{rank}.log", "w")
         procs.append(subprocess.Popen([sys.executable, "-m", "benchmarks.tinker_memory", "rank", str(out), str(stage),
-                                       str(model_dir)], env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT))
+                                       str(model_dir), str(lora_clients)], env=env, cwd=ROOT, stdout=log,
+                                      stderr=subprocess.STDOUT))
     codes = [p.wait() for p in procs]
     if any(codes):
         raise SystemExit(f"ZeRO-{stage} x {world}: ranks exited {codes}; logs in {out}")
@@ -140,12 +153,13 @@ def markdown(results: list[dict]) -> str:
         lines.append(f"| {r['stage']} | {r['world']} | {held:.0%} | {load} MiB | {step / MIB:,.0f} MiB | "
                      f"{(ranks[0]['load_peak'] - base) / MIB:,.0f} / {(step - base) / MIB:,.0f} MiB |")
     baseline = max(x["baseline"] for r in results for x in r["ranks"])
-    return "\n".join(lines) + f"\n\nBaseline (every rank, after imports and init_process_group): {baseline / MIB:,.0f} MiB.\n"
+    return "\n".join(lines) + (f"\n\nBaseline (every rank, after imports and init_process_group): "
+                               f"{baseline / MIB:,.0f} MiB.\n")
 
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "rank":
-        rank_main(Path(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
+        rank_main(Path(sys.argv[2]), int(sys.argv[3]), sys.argv[4], int(sys.argv[5]) if len(sys.argv) > 5 else 0)
         os._exit(0)  # skip interpreter teardown (library threads left by ZeRO-3 can abort it)
     if len(sys.argv) > 2 and sys.argv[1] == "render":  # the table again from a --json file
         print(markdown(json.loads(Path(sys.argv[2]).read_text())["results"]))
@@ -156,8 +170,21 @@ def main() -> None:
     parser.add_argument("--scratch", type=Path, default=ROOT / "scratch" / "tinker_memory")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--markdown", type=Path)
+    parser.add_argument("--lora-clients", type=int, default=0,
+                        help="instead: resident memory per rank after each of N LoRA clients (rank 32) of the model")
     args = parser.parse_args()
     model_dir = build_model_dir(args.scratch / "qwen3-58m")
+    if args.lora_clients:
+        header = " | ".join(f"after LoRA client {i + 1}" for i in range(args.lora_clients))
+        rows = [f"| ZeRO | ranks | {header} |", "| --- | --- |" + " --- |" * args.lora_clients]
+        for stage in args.stages:
+            for world in args.worlds:
+                ranks = run_config(stage, world, model_dir, args.scratch, args.lora_clients)
+                top = [max(r["after"][i] - r["baseline"] for r in ranks) for i in range(args.lora_clients)]
+                rows.append(f"| {stage} | {world} | " + " | ".join(f"+{t / MIB:,.0f} MiB" for t in top) + " |")
+                print(rows[-1], flush=True)
+        print("\n".join(rows))
+        return
     results = []
     for stage in args.stages:
         for world in args.worlds:

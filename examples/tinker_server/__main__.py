@@ -75,11 +75,17 @@ def _demo_device(args: argparse.Namespace) -> str:
     return "cpu" if args.device == "auto" else args.device
 
 
+def _precision_args(args: argparse.Namespace) -> list[str]:
+    """``--dtype`` and ``--gradient-checkpointing`` for the demos' server."""
+    return ["--dtype", args.dtype, *(["--gradient-checkpointing"] if args.gradient_checkpointing else [])]
+
+
 def _demo(args: argparse.Namespace) -> int:
     """Start a server on ``--world-size`` CPU ranks, run the SFT client against it, stop the server."""
     checkpoints = args.checkpoint_dir / "demo"
     server = ServerProcess(world_size=args.world_size, zero_stage=args.zero_stage, checkpoint_dir=checkpoints,
-                           extra_args=["--max-chunk-datums", "8", "--device", _demo_device(args)])
+                           extra_args=["--max-chunk-datums", "8", "--device", _demo_device(args),
+                                       *_precision_args(args)])
     print(f"[demo] starting the server on {args.world_size} CPU ranks (ZeRO stage {args.zero_stage})", flush=True)
     base_url = server.start()
     try:
@@ -96,7 +102,7 @@ def _rl_demo(args: argparse.Namespace) -> int:
     checkpoints = args.checkpoint_dir / "rl-demo"
     server = ServerProcess(world_size=args.world_size, zero_stage=args.zero_stage, checkpoint_dir=checkpoints,
                            extra_args=["--max-chunk-datums", str(args.max_chunk_datums), "--device",
-                                       _demo_device(args)])
+                                       _demo_device(args), *_precision_args(args)])
     print(f"[rl-demo] starting the server on {args.world_size} CPU ranks (ZeRO stage {args.zero_stage})", flush=True)
     base_url = server.start()
     try:

@@ -23,7 +23,8 @@ import torch
 
 from .checkpoint_files import copy_tokenizer, encrypt_files, write_weights
 from .losses import LossInputs, elementwise_loss
-from .model import BASE_MODELS, DTYPES, build_base, build_model, enable_gradient_checkpointing, token_logprobs, zero3_construction
+from .model import (BASE_MODELS, DTYPES, build_base, build_model, enable_gradient_checkpointing, token_logprobs,
+                    zero3_construction)
 from .sampler import SAMPLER_META_FILE, SamplerPool, capture_weights, merge_samples
 from .sampling import SampleJob
 from .wire import Datum, FwdBwdRequest, UserError

@@ -131,7 +131,8 @@ def test_the_sdk_trains_a_named_model_in_bf16_with_checkpointing_on_zero3(tmp_pa
     from examples.tinker_server.launch import ServerProcess
     from examples.tinker_server.model import DEFAULT_LORA_RANK, build_model, register_local_model, token_logprobs
 
-    server = ServerProcess(world_size=2, zero_stage=3, checkpoint_dir=tmp_path / "ckpt", log_path=tmp_path / "server.log",
+    server = ServerProcess(world_size=2, zero_stage=3, checkpoint_dir=tmp_path / "ckpt",
+                           log_path=tmp_path / "server.log",
                            extra_args=["--long-poll-s", "1", "--device", "cpu", "--dtype", "bf16",
                                        "--gradient-checkpointing", "--base-model", f"{NAMED_MODEL}={qwen3_dir}"])
     server.start(timeout_s=300)
