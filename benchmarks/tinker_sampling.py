@@ -6,9 +6,9 @@ One process, no ranks: what a rank runs for ``asample`` requests (generation, th
 the logprobs), on the same model, weights, request mix and seeds, through the sampler that was (one request at a
 time; ``sampler.generate_reference``: every sample decodes until all are done, one seeded draw at a time, the whole
 completion re-decoded for stop strings at every token) and the one that is (``SamplerPool.sample_many``: requests
-that arrive together in batches of up to 32, ``sampler.generate_batch``). Both give the same tokens and logprobs
-(checked here on every request, and by tests/tinker_server/test_sampler_batching.py). Repetitions alternate old and
-new; the median of each is reported: tokens/s = completion tokens / seconds.
+that arrive together in batches of up to 32 requests, ``sampler.generate_batch``). Both give the same tokens and
+logprobs (checked here on every request, and by tests/tinker_server/test_sampler_batching.py). Repetitions alternate
+old and new; the median of each is reported: tokens/s = completion tokens / seconds.
 
 The request mix is an RL step's 64 samples: 8 prompts of 12-40 tokens, up to 64 new tokens, temperature 1,
 stopping on 8 of the 256 byte values (as an EOS ends answers at varied lengths), two prompts also on stop strings,

@@ -156,15 +156,15 @@ class SamplerPool:
 
     def sample_many(self, jobs: list[SampleJob], shares: list[range], with_prompt: bool) -> list[tuple[str, Any]]:
         """Several ``asample`` requests at once (concurrent requests, batched): this rank's share of each, as
-        ``("ok", part)`` or ``("user", message)`` per job. Requests on the same weights, with the same sampling
-        parameters and prompts of the same length decode as one batch (``generate_batch``: the same tokens as one
-        at a time); each is then scored on its own, as ``sample`` does."""
+        ``("ok", part)`` or ``("user", message)`` per job. Requests on the same weights and with the same sampling
+        parameters decode as one batch (``generate_batch``: the same tokens as one at a time); each is then scored on
+        its own, as ``sample`` does, so its logprobs are computed exactly as before."""
         results: list[tuple[str, Any] | None] = [None] * len(jobs)
         groups: dict[tuple, list[int]] = {}
         for j, job in enumerate(jobs):
             weights = json.dumps([job.snapshot.snapshot_id, job.snapshot.base_model, job.snapshot.lora,
                                   job.snapshot.file], sort_keys=True)
-            groups.setdefault((weights, len(job.prompt), sampling_key(job)), []).append(j)
+            groups.setdefault((weights, sampling_key(job)), []).append(j)
         for members in groups.values():
             first = jobs[members[0]]
             try:
@@ -245,52 +245,80 @@ def _exponential_noise(rows: int, vocab: int, generators: list[torch.Generator],
 
 
 def sampling_key(job: SampleJob) -> tuple:
-    """What requests must share to decode in one batch (besides the weights and the prompt length)."""
+    """What requests must share to decode in one batch (besides the weights)."""
     return (job.max_tokens, job.temperature, job.top_k, job.top_p, job.stop_tokens, job.stop_strings)
 
 
 @torch.no_grad()
 def generate(module: torch.nn.Module, prompt: torch.Tensor, job: SampleJob, seeds: list[int],
              decode: Callable[[list[int]], str]) -> list[tuple[list[int], str]]:
-    """(completion tokens, stop reason) per seed; sample ``i`` depends only on its seed, and equals
-    ``generate_reference``'s (the tests compare them). One request: ``generate_batch`` of one."""
+    """(completion tokens, stop reason) per seed; sample ``i`` depends only on its seed (and the model's numbers).
+    One request: ``generate_batch`` of one.
+
+    The tokens are ``generate_reference``'s (the tests compare them on fixed seeds): the draw is the same computation
+    from the same generator state. The next-token logits they are drawn from can differ from the reference's in the
+    last bits, because a matrix product's rounding depends on how many rows it has (one request's 8 samples or 3
+    requests' 20, samples leaving the batch, padding), as the reference's already did between ``num_samples``
+    values; a token differs only where two candidates tie to within that rounding (about 1e-7 relative)."""
     return generate_batch(module, [(prompt, seeds)], job, decode)[0]
 
 
 @torch.no_grad()
 def generate_batch(module: torch.nn.Module, requests: list[tuple[torch.Tensor, list[int]]], job: SampleJob,
                    decode: Callable[[list[int]], str]) -> list[list[tuple[list[int], str]]]:
-    """Several requests' samples decoded as one batch: ``requests`` are (prompt, seeds) pairs whose prompts have
-    the same length, sampled with ``job``'s parameters (``sampling_key``); per request, (completion tokens, stop
-    reason) per seed, each sample exactly what ``generate_reference`` draws for its prompt and seed.
+    """Several requests' samples decoded as one batch: ``requests`` are (prompt, seeds) pairs sampled with ``job``'s
+    parameters (``sampling_key``); per request, (completion tokens, stop reason) per seed: what ``generate_reference``
+    draws for its prompt and seeds (see ``generate`` for how exactly).
 
-    Each distinct prompt is run once and its KV cache repeated per sample; every step draws all samples' tokens in
-    one batched operation (``_exponential_noise``, each sample's noise from its own generator); a finished sample
-    leaves the batch (its rows of the KV cache are dropped), so later steps run only the samples still going;
-    stop strings are checked incrementally (``StopStrings``). No row is ever padded (equal prompt lengths, equal
-    cache lengths), so a row's numbers are those of its request alone. The token that completes a stop token or
-    stop string is kept in the completion (reason ``stop``); a completion that reaches ``max_tokens`` first ends
-    with reason ``length``.
+    Each distinct prompt is run once (prompts of one length together) and its KV cache repeated per sample; prompts
+    of different lengths are left-padded to the longest in the KV cache, and each decode step masks every row's
+    padding and runs each row at its own positions. Every
+    step draws all samples' tokens in one batched operation (``_exponential_noise``, each sample's noise from its own
+    generator); a finished sample leaves the batch (its rows of the KV cache are dropped), so later steps run only
+    the samples still going; stop strings are checked incrementally (``StopStrings``). The token that completes a
+    stop token or stop string is kept in the completion (reason ``stop``); a completion that reaches ``max_tokens``
+    first ends with reason ``length``.
     """
     device = requests[0][0].device
     unique: dict[tuple[int, ...], int] = {}
+    for prompt, _ in sorted(requests, key=lambda r: len(r[0])):
+        unique.setdefault(tuple(prompt.tolist()), len(unique))
     owner: list[int] = []  # sample -> its prompt's row in the prefill
     seeds: list[int] = []
     for prompt, request_seeds in requests:
-        row = unique.setdefault(tuple(prompt.tolist()), len(unique))
-        owner += [row] * len(request_seeds)
+        owner += [unique[tuple(prompt.tolist())]] * len(request_seeds)
         seeds += request_seeds
     n = len(seeds)
     generators = [torch.Generator(device=device).manual_seed(s) for s in seeds]
-    prompts = torch.tensor(list(unique), dtype=torch.long, device=device)
-    out = module(input_ids=prompts, use_cache=True)
-    # transformers 5 names the KV cache ``cache``; older releases (and some architectures) ``past_key_values``.
-    cache_name = "cache" if "cache" in out else "past_key_values"
-    past = out[cache_name]
+    by_length: dict[int, list[tuple[int, ...]]] = {}
+    for prompt in unique:  # in row order: by length, then first seen
+        by_length.setdefault(len(prompt), []).append(prompt)
+    longest = max(by_length)
+    past = cache_name = None
+    last: list[torch.Tensor] = []
+    for length, prompts in by_length.items():
+        out = module(input_ids=torch.tensor(prompts, dtype=torch.long, device=device), use_cache=True)
+        # transformers 5 names the KV cache ``cache``; older releases (and some architectures) ``past_key_values``.
+        cache_name = "cache" if "cache" in out else "past_key_values"
+        last.append(out.logits[:, -1].float())
+        if past is None:
+            past = out[cache_name]
+            layers = [[(layer.keys, layer.values)] for layer in past.layers]
+        else:
+            for collected, layer in zip(layers, out[cache_name].layers):
+                collected.append((layer.keys, layer.values))
+    padded = len(by_length) > 1
+    if padded:
+        for layer, collected in zip(past.layers, layers):  # left-pad each length's keys and values to the longest
+            pad = torch.nn.functional.pad
+            layer.keys = torch.cat([pad(k, (0, 0, longest - k.shape[-2], 0)) for k, _ in collected])
+            layer.values = torch.cat([pad(v, (0, 0, longest - v.shape[-2], 0)) for _, v in collected])
     rows = torch.tensor(owner, device=device)
-    logits = out.logits[:, -1].float().index_select(0, rows)
+    logits = torch.cat(last).index_select(0, rows)
     if owner != list(range(len(unique))):
         past.reorder_cache(rows)
+    prompt_lengths = torch.tensor([len(p) for p in unique], device=device).index_select(0, rows)
+    mask = (torch.arange(longest, device=device)[None, :] >= (longest - prompt_lengths)[:, None]).long()
     completions: list[list[int]] = [[] for _ in range(n)]
     reasons: list[str | None] = [None] * n
     stop_tokens = set(job.stop_tokens)
@@ -315,9 +343,13 @@ def generate_batch(module: torch.nn.Module, requests: list[tuple[torch.Tensor, l
         if len(keep) < len(active):
             kept = torch.tensor(keep, device=device)
             past.reorder_cache(kept)
-            chosen = chosen[kept]
+            chosen, mask, prompt_lengths = chosen[kept], mask[kept], prompt_lengths[kept]
             active = [active[row] for row in keep]
-        out = module(input_ids=chosen.unsqueeze(1), use_cache=True, **{cache_name: past})
+        kwargs: dict[str, Any] = {cache_name: past}
+        if padded:  # each row at its own position, its padding masked
+            mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
+            kwargs.update(attention_mask=mask, position_ids=(prompt_lengths + step)[:, None])
+        out = module(input_ids=chosen.unsqueeze(1), use_cache=True, **kwargs)
         past, logits = out[cache_name], out.logits[:, -1].float()
     results = [(tokens, reason or "length") for tokens, reason in zip(completions, reasons)]
     split, at = [], 0

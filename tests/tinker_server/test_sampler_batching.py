@@ -1,5 +1,7 @@
 """The batched sampler (``sampler.generate``) against the sampler it replaced (``sampler.generate_reference``),
-in process, no ranks: on fixed seeds they give the same tokens, stop reasons and logprobs, over temperatures,
+in process, no ranks: on fixed seeds they give the same tokens, stop reasons and logprobs (bit for bit: the logprobs
+come from the same scoring forward as before; the tokens from the same draws on logits that may differ in the last
+bits, see ``sampler.generate``, which changes no token here), over temperatures,
 top-k, top-p, greedy, stop tokens, stop strings (multi-byte ones too) and sample counts; and the incremental
 stop-string check equals decoding the whole completion at every token."""
 
@@ -139,30 +141,34 @@ def test_incremental_stop_strings_equal_decoding_everything(kind: str, tmp_path)
             assert got == expected, (kind, stops, tokens)
 
 
-def test_requests_batched_together_equal_each_alone() -> None:
-    """``generate_batch``: requests with prompts of one length (two of them the same prompt) decode as one batch, and
-    each request's samples are exactly the reference's for its prompt and seeds."""
+@pytest.mark.parametrize("lengths", [(6, 6, 6, 6), (6, 6, 2, 11, 4)], ids=["one-length", "mixed-lengths"])
+def test_requests_batched_together_equal_each_alone(lengths: tuple[int, ...]) -> None:
+    """``generate_batch``: requests (two of them with the same prompt; prompts of one length, or of several,
+    left-padded in the batch) decode as one batch, and each request's samples are the reference's for its prompt and
+    seeds."""
     from examples.tinker_server.sampler import generate_batch
 
     model = peaked(build_model("tiny-llama-byte", LoraSpec(rank=2, seed=0)))
     decode = _decoder("tiny-llama-byte")
-    rng = np.random.default_rng(7)
-    prompts = [rng.integers(0, 256, 6).tolist() for _ in range(3)]
-    prompts.insert(1, prompts[0])
-    seeds = [[int(s) for s in rng.integers(0, 2**62, k)] for k in (1, 4, 2, 3)]
-    first = job(prompts[0], seeds[0], max_tokens=20)
-    unstopped = generate_reference(model, torch.tensor(prompts[2]), first, seeds[2], decode)
-    j = job(prompts[0], seeds[0], max_tokens=20, **stops_from([c for c, _ in unstopped], "both", rng))
-    batched = generate_batch(model, [(torch.tensor(p), s) for p, s in zip(prompts, seeds)], j, decode)
-    assert [len(b) for b in batched] == [1, 4, 2, 3]
-    for prompt, request_seeds, got in zip(prompts, seeds, batched):
-        assert got == generate_reference(model, torch.tensor(prompt), j, request_seeds, decode)
-    assert any(reason == "stop" for b in batched for _, reason in b)
+    rng = np.random.default_rng(len(lengths))
+    prompts = [rng.integers(0, 256, n).tolist() for n in lengths]
+    prompts[1] = prompts[0]
+    seeds = [[int(s) for s in rng.integers(0, 2**62, k)] for k in (1, 4, 2, 3, 2)[:len(prompts)]]
+    for params in ({}, {"temperature": 0.0}, {"temperature": 0.8, "top_p": 0.9}):
+        first = job(prompts[0], seeds[0], max_tokens=20, **params)
+        unstopped = generate_reference(model, torch.tensor(prompts[2]), first, seeds[2], decode)
+        j = job(prompts[0], seeds[0], max_tokens=20, **params,
+                **stops_from([c for c, _ in unstopped], "both", rng))
+        batched = generate_batch(model, [(torch.tensor(p), s) for p, s in zip(prompts, seeds)], j, decode)
+        assert [len(b) for b in batched] == [len(s) for s in seeds]
+        for prompt, request_seeds, got in zip(prompts, seeds, batched):
+            assert got == generate_reference(model, torch.tensor(prompt), j, request_seeds, decode)
+        assert any(reason == "stop" for b in batched for _, reason in b)
 
 
 def test_sample_many_equals_one_request_at_a_time() -> None:
-    """``SamplerPool.sample_many`` (what a rank runs for concurrent requests): grouped by weights, parameters and
-    prompt length, each request's share and prompt logprobs equal ``sample`` on it alone; a request whose weights
+    """``SamplerPool.sample_many`` (what a rank runs for concurrent requests): grouped by weights and sampling
+    parameters, each request's share and prompt logprobs equal ``sample`` on it alone; a request whose weights
     are gone fails alone, with a user error."""
     from examples.tinker_server.sampler import SamplerPool
 
@@ -215,10 +221,10 @@ def test_the_scheduler_hands_out_consecutive_sampling_requests_in_order() -> Non
 
 
 def test_concurrent_sdk_requests_equal_sequential_ones(server) -> None:
-    """Through the SDK on the ZeRO-1 server: a long request keeps the ranks busy while 8 more arrive (same prompt
-    length, 2 of them the same prompt, as tinker-cookbook's per-env requests of a group; and a different
-    length), which the server then samples as batches; every request's tokens and logprobs equal the same request
-    sent alone. (One stage: batching is rank-side sampling, the same at every ZeRO stage.)"""
+    """Through the SDK on the ZeRO-1 server: a long request keeps the ranks busy while 8 more arrive (2 of them with
+    the same prompt, as tinker-cookbook's per-environment requests of a group; prompts of 5, 11 and 12 tokens), which
+    the server then samples as one batch; every request's tokens and logprobs equal the same request sent alone.
+    (One stage: batching is rank-side sampling, the same at every ZeRO stage.)"""
     if server.zero_stage != 1:
         pytest.skip("one stage is enough: sampling never touches the engine")
     tinker = require("tinker")
