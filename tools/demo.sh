@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The demo, from a fresh machine, in one command:
 #
-#   bash tools/demo.sh [rl|sft] [demo options]
+#   bash tools/demo.sh [rl|sft|recipes] [demo options]
 #
 # Creates (or reuses) the same virtualenv as tools/test.sh ($DS_SERIES_VENV, default .venv) with
 # torch 2.13.0 and this project installed (`pip install .`), then runs the demo with it.

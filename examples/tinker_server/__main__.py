@@ -1,4 +1,4 @@
-"""Command line: ``python -m examples.tinker_server {serve,demo,rl-demo,rank}`` from the repository root.
+"""Command line: ``python -m examples.tinker_server {serve,demo,rl-demo,recipes-demo,rank}`` from the repository root.
 
 ``rank`` is one process of a server; ``serve`` starts W of them itself, and ``torchrun`` or the
 ``deepspeed`` launcher can start them instead (see docs/tinker-server.md).
@@ -114,6 +114,29 @@ def _rl_demo(args: argparse.Namespace) -> int:
         print(f"[rl-demo] server stopped (exit code {code})", flush=True)
 
 
+def _recipes_demo(args: argparse.Namespace) -> int:
+    """Serve a tiny random Qwen3 as ``Qwen/Qwen3-8B`` on ``--world-size`` CPU ranks, run tinker-cookbook's
+    ``recipes/sl_basic`` against it unmodified (recipes_client.py), stop the server."""
+    from .tiny_models import build_tiny_model
+
+    checkpoints = args.checkpoint_dir / "recipes-demo"
+    model_dir = build_tiny_model(checkpoints / "qwen3-tiny", "qwen3")
+    server = ServerProcess(world_size=args.world_size, zero_stage=args.zero_stage, checkpoint_dir=checkpoints,
+                           extra_args=["--base-model", f"Qwen/Qwen3-8B={model_dir}", "--device", _demo_device(args),
+                                       *_precision_args(args)])
+    print(f"[recipes-demo] starting the server on {args.world_size} CPU ranks (ZeRO stage {args.zero_stage})",
+          flush=True)
+    base_url = server.start()
+    try:
+        client = [args.client_python, str(Path(__file__).with_name("recipes_client.py")), "--base-url", base_url,
+                  "--model-dir", str(model_dir), "--log-dir", str(checkpoints / "cookbook-log"), "--steps",
+                  str(args.steps)]
+        return subprocess.run(client, cwd=ROOT, timeout=args.timeout_s).returncode
+    finally:
+        code = server.stop()
+        print(f"[recipes-demo] server stopped (exit code {code})", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m examples.tinker_server",
                                      description="A Tinker-protocol training server on DeepSpeed (unmanaged mode).")
@@ -143,6 +166,15 @@ def main(argv: list[str] | None = None) -> int:
     rl_cmd.add_argument("--timeout-s", type=float, default=900)
     _server_options(rl_cmd)
 
+    recipes_cmd = commands.add_parser("recipes-demo", help="server on 2 CPU ranks + tinker-cookbook's "
+                                      "recipes/sl_basic, unmodified, on a tiny Qwen3 served as Qwen/Qwen3-8B, then stop")
+    recipes_cmd.add_argument("--world-size", type=int, default=2)
+    recipes_cmd.add_argument("--steps", type=int, default=8)
+    recipes_cmd.add_argument("--client-python", default=sys.executable,
+                             help="Python that has tinker-cookbook (default: this one)")
+    recipes_cmd.add_argument("--timeout-s", type=float, default=900)
+    _server_options(recipes_cmd)
+
     rank_cmd = commands.add_parser("rank", help="one rank of a server: `serve` starts these; so can torchrun "
                                    "or the deepspeed launcher (RANK, WORLD_SIZE, MASTER_ADDR/PORT from them)")
     rank_cmd.add_argument("--port", type=int, default=8000, help="rank 0's HTTP port; 0 picks a free one")
@@ -159,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
         return _demo(args)
     if args.command == "rl-demo":
         return _rl_demo(args)
+    if args.command == "recipes-demo":
+        return _recipes_demo(args)
     from .server import RankOptions, run_rank
 
     code = run_rank(RankOptions(port=args.port, zero_stage=args.zero_stage, checkpoint_root=args.checkpoint_dir,

@@ -4,8 +4,9 @@
 #
 #   bash examples/tinker_server/run_demo.sh [rl] [options]   # RL: tinker-cookbook's RL loop (the default)
 #   bash examples/tinker_server/run_demo.sh sft [options]    # SFT: the official tinker SDK, variable N per step
+#   bash examples/tinker_server/run_demo.sh recipes [options]  # tinker-cookbook's recipes/sl_basic, unmodified
 #
-# Options go to `python -m examples.tinker_server rl-demo` or `... demo` (e.g. --zero-stage 3).
+# Options go to `python -m examples.tinker_server rl-demo`, `... demo` or `... recipes-demo` (e.g. --zero-stage 3).
 # Uses $PYTHON (default: python on PATH), which must already have torch and the patched DeepSpeed (see
 # the README). The SDK, the server's other dependencies (requirements/tinker-server.txt) and tinker-cookbook
 # (requirements/tinker-cookbook.txt, installed with --no-deps: see there why) are installed into it on first use.
@@ -16,12 +17,13 @@ DEMO=rl-demo
 case "${1:-}" in
     rl) shift ;;
     sft) DEMO=demo; shift ;;
+    recipes) DEMO=recipes-demo; shift ;;
 esac
 if ! "$PY" -c "import tinker, peft, transformers, zstandard, chz, datasets" >/dev/null 2>&1; then
     echo "[demo] installing requirements/tinker-server.txt into $("$PY" -c 'import sys; print(sys.prefix)')"
     "$PY" -m pip install --quiet -r requirements/tinker-server.txt
 fi
-if [[ "$DEMO" == rl-demo ]] && ! "$PY" -c "import tinker_cookbook.rl.train" >/dev/null 2>&1; then
+if [[ "$DEMO" != demo ]] && ! "$PY" -c "import tinker_cookbook.rl.train" >/dev/null 2>&1; then
     echo "[demo] installing requirements/tinker-cookbook.txt (--no-deps) into $("$PY" -c 'import sys; print(sys.prefix)')"
     "$PY" -m pip install --quiet --no-deps -r requirements/tinker-cookbook.txt
 fi
