@@ -166,8 +166,9 @@ def main(argv: list[str] | None = None) -> int:
     rl_cmd.add_argument("--timeout-s", type=float, default=900)
     _server_options(rl_cmd)
 
-    recipes_cmd = commands.add_parser("recipes-demo", help="server on 2 CPU ranks + tinker-cookbook's "
-                                      "recipes/sl_basic, unmodified, on a tiny Qwen3 served as Qwen/Qwen3-8B, then stop")
+    recipes_cmd = commands.add_parser("recipes-demo",
+                                      help="server on 2 CPU ranks + tinker-cookbook's recipes/sl_basic, unmodified, "
+                                      "on a tiny Qwen3 served as Qwen/Qwen3-8B, then stop")
     recipes_cmd.add_argument("--world-size", type=int, default=2)
     recipes_cmd.add_argument("--steps", type=int, default=8)
     recipes_cmd.add_argument("--client-python", default=sys.executable,

@@ -59,23 +59,11 @@ def metrics(log_path: Path, key: str) -> list[float]:
 def test_sl_basic_lowers_the_loss(server, cookbook_env, tmp_path: Path) -> None:
     if server.zero_stage != 1:
         pytest.skip("one stage is enough: the recipe's requests are those the SDK tests check on every stage")
-    import tinker_cookbook
-    from tinker_cookbook.recipes import sl_basic
-    from tinker_cookbook.renderers import TrainOnWhat
-    from tinker_cookbook.supervised.data import FromConversationFileBuilder
-    from tinker_cookbook.supervised.types import ChatDatasetBuilderCommonConfig
+    from examples.tinker_server.recipes_client import MODEL_NAME, run_sl_basic
 
-    conversations = Path(tinker_cookbook.__file__).parent / "example_data" / "conversations.jsonl"
-    common = ChatDatasetBuilderCommonConfig(model_name_for_tokenizer=QWEN, renderer_name="qwen3", max_length=192,
-                                            batch_size=8, train_on_what=TrainOnWhat.ALL_ASSISTANT_MESSAGES)
-    log_path = tmp_path / "sl_basic"
-    config = sl_basic.build_config_blueprint(QWEN).apply({
-        "dataset_builder": FromConversationFileBuilder(common_config=common, file_path=str(conversations)),
-        "base_url": server.base_url, "log_path": str(log_path), "learning_rate": 2e-2, "lora_rank": 8,
-        "max_steps": 8, "eval_every": 0, "save_every": 0}).make()
-    assert config.renderer_name == "qwen3" and config.model_name == QWEN
-    sl_basic.main(config)
-    nll = metrics(log_path, "train_mean_nll")
+    # What `bash tools/demo.sh recipes` runs
+    assert MODEL_NAME == QWEN
+    nll = run_sl_basic(server.base_url, server.chat_models[QWEN], tmp_path / "sl_basic", steps=8, learning_rate=2e-2)
     assert len(nll) == 8
     assert sum(nll[-2:]) / 2 < sum(nll[:2]) / 2 - 0.5, f"the loss did not go down: {nll}"
 
