@@ -52,22 +52,15 @@ def rank_main(out: Path, stage: int, model_dir: str, lora_clients: int = 0) -> N
     from benchmarks.memory import current_rss_bytes, peak_rss_bytes, reset_peak_rss, stabilize_allocator
 
     stabilize_allocator()
-    from datetime import timedelta
 
     import numpy as np
     import torch
     import torch.distributed as dist
 
-    from examples.ranks import disable_cpu_shm_allreduce
+    from examples.ranks import init_gloo_deepspeed
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=timedelta(minutes=30))
-    import deepspeed
-    from deepspeed.utils import logger as ds_logger
-
-    ds_logger.setLevel("WARNING")
-    disable_cpu_shm_allreduce()
-    deepspeed.init_distributed(dist_backend="gloo")
+    init_gloo_deepspeed(timeout_minutes=30)
     from examples.tinker_server.api import ModelRecord
     from examples.tinker_server.model import register_local_model
     from examples.tinker_server.wire import Datum, FwdBwdRequest

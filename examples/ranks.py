@@ -67,3 +67,19 @@ def disable_cpu_shm_allreduce() -> None:
     builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
     if builder is not None:
         deepspeed.ops.__compatible_ops__[builder.NAME] = False
+
+
+def init_gloo_deepspeed(timeout_minutes: float) -> None:
+    """Join this process's gloo group (RANK, WORLD_SIZE, MASTER_* from the environment) and DeepSpeed's, with
+    DeepSpeed's log at WARNING and its CPU shared-memory all-reduce left out (see disable_cpu_shm_allreduce)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", timeout=timedelta(minutes=timeout_minutes))
+    import deepspeed
+    from deepspeed.utils import logger as ds_logger
+
+    ds_logger.setLevel("WARNING")
+    disable_cpu_shm_allreduce()
+    deepspeed.init_distributed(dist_backend="gloo")

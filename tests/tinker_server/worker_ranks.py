@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import sys
-from datetime import timedelta
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -31,15 +30,9 @@ def main(out_dir: Path, zero_stage: int, dtype: str, model_dir: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from examples.ranks import disable_cpu_shm_allreduce
+    from examples.ranks import init_gloo_deepspeed
 
-    dist.init_process_group("gloo", timeout=timedelta(minutes=10))
-    import deepspeed
-    from deepspeed.utils import logger as ds_logger
-
-    ds_logger.setLevel("WARNING")
-    disable_cpu_shm_allreduce()
-    deepspeed.init_distributed(dist_backend="gloo")
+    init_gloo_deepspeed(timeout_minutes=10)
 
     from examples.tinker_server.api import ModelRecord
     from examples.tinker_server.model import LoraSpec, register_local_model
