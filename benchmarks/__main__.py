@@ -25,8 +25,16 @@ DOCS_MD = ROOT / "docs" / "benchmarks.md"
 DOCS_JSON = ROOT / "docs" / "benchmarks.json"
 QUICK_MD = ROOT / "scratch" / "benchmarks-quick.md"
 QUICK_JSON = ROOT / "scratch" / "benchmarks-quick.json"
+#: The 0.19.8 build's page, which docs/benchmarks.md summarizes beside its own (``run`` in the 0.19.8 virtualenv).
+DOCS_0198_MD = ROOT / "docs" / "benchmarks-0.19.8.md"
 FIXCOST_MD = ROOT / "docs" / "benchmarks-fixcost.md"
 QUICK_FIXCOST_MD = ROOT / "scratch" / "benchmarks-fixcost-quick.md"
+
+
+def fixcost_md(base: str, quick: bool = False) -> Path:
+    """``fixcost``'s page for ``base`` (0.19.3's keeps its first name; 0.19.8's is benchmarks-fixcost-0.19.8.md)."""
+    page = QUICK_FIXCOST_MD if quick else FIXCOST_MD
+    return page if base == "0.19.3" else page.with_name(f"{page.stem}-{base}.md")
 
 
 def _log(message: str) -> None:
@@ -56,7 +64,8 @@ def cmd_run(args) -> int:
     if unknown:
         print(f"unknown configuration(s): {', '.join(unknown)}; see `python -m benchmarks list`", file=sys.stderr)
         return 2
-    out_md = Path(args.out) if args.out else (QUICK_MD if args.quick else DOCS_MD)
+    base = machine.deepspeed_series()["version"].partition("+")[0]
+    out_md = Path(args.out) if args.out else (QUICK_MD if args.quick else page_of(base))
     out_json = Path(args.json) if args.json else out_md.with_suffix(".json")
     info = machine.describe()
     print(f"torch {torch.__version__}; {report._series_line(info['deepspeed'])}", flush=True)
@@ -122,22 +131,37 @@ def _failed_trials(data: dict) -> list:
     return failed
 
 
-def _write(data: dict, out_md: Path, out_json: Path) -> None:
+def page_of(base: str) -> Path:
+    """The committed page of the build on ``base``: docs/benchmarks.md for 0.19.3, docs/benchmarks-0.19.8.md."""
+    return DOCS_MD if base == "0.19.3" else DOCS_MD.with_name(f"benchmarks-{base}.md")
+
+
+def _render_page(data: dict, out_md: Path) -> str:
+    """``out_md``'s text: a committed page gets its hand-written analysis, and docs/benchmarks.md also the summary of
+    the 0.19.8 build's run beside its own, when that run is committed."""
     from benchmarks import report
     report.analyze(data)
+    if out_md.resolve() == DOCS_MD.resolve():
+        beside = DOCS_0198_MD.with_suffix(".json")
+        other = report.analyze(json.loads(beside.read_text())) if beside.is_file() else None
+        return report.render(data, report.ANALYSIS, beside=other, beside_page=DOCS_0198_MD.name)
+    if out_md.resolve() == DOCS_0198_MD.resolve():
+        return report.render(data, report.ANALYSIS.with_name("analysis-0.19.8.md"))
+    return report.render(data)
+
+
+def _write(data: dict, out_md: Path, out_json: Path) -> None:
+    text = _render_page(data, out_md)
     out_json.parent.mkdir(parents=True, exist_ok=True)
     out_json.write_text(json.dumps(data, indent=1, sort_keys=False) + "\n")
-    out_md.write_text(report.render(data, report.ANALYSIS if out_md == DOCS_MD else None))
+    out_md.write_text(text)
 
 
 def cmd_render(args) -> int:
-    from benchmarks import report
     source = Path(args.json)
-    data = json.loads(source.read_text())
-    out = Path(args.out)
-    analysis = report.ANALYSIS if out.resolve() == DOCS_MD.resolve() else None
-    out.write_text(report.render(report.analyze(data), analysis))
-    print(f"wrote {args.out}")
+    out = Path(args.out) if args.out else source.with_suffix(".md")
+    out.write_text(_render_page(json.loads(source.read_text()), out))
+    print(f"wrote {out}")
     return 0
 
 
@@ -171,8 +195,15 @@ def cmd_factor(args) -> int:
 
 
 def cmd_fixcost(args) -> int:
-    """Pristine DeepSpeed 0.19.3 against 0.19.3 + the series' bug-fix PRs, managed mode: time, memory, collectives."""
-    out_md = Path(args.out) if args.out else (QUICK_FIXCOST_MD if args.quick else FIXCOST_MD)
+    """Pristine DeepSpeed against the same release + the series' bug-fix PRs, managed mode: time, memory, collectives.
+
+    The release is the installed DeepSpeed's base (0.19.3 or 0.19.8), whose JIT ops both trees reuse."""
+    from benchmarks import fixcost
+    base = fixcost.installed_base()
+    if base not in fixcost.BASES:
+        print(f"the installed DeepSpeed is built on {base}; fixcost measures {', '.join(fixcost.BASES)}", file=sys.stderr)
+        return 2
+    out_md = Path(args.out) if args.out else fixcost_md(base, args.quick)
     out_json = Path(args.json) if args.json else out_md.with_suffix(".json")
     if args.render:
         _write_fixcost(json.loads(out_json.read_text()), out_md, None)
@@ -180,7 +211,7 @@ def cmd_fixcost(args) -> int:
         return 0
     os.environ.setdefault("DS_BUILD_OPS", "0")
     import torch
-    from benchmarks import configs, fixcost, machine
+    from benchmarks import configs, machine
 
     names = _csv(args.configs) if args.configs else list(fixcost.CONFIGURATIONS)
     unknown = [n for n in names if n not in configs.BY_NAME]
@@ -194,7 +225,7 @@ def cmd_fixcost(args) -> int:
     info = machine.describe()
     del info["deepspeed"]  # the installed one; the builds measured are described by the record's "builds"
     print(
-        f"torch {torch.__version__}; DeepSpeed {fixcost.BASE} pristine against {fixcost.BASE} + its bug-fix PRs, "
+        f"torch {torch.__version__}; DeepSpeed {base} pristine against {base} + its bug-fix PRs, "
         "managed mode",
         flush=True)
     data = {
@@ -204,14 +235,14 @@ def cmd_fixcost(args) -> int:
         "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "machine": info,
     }
-    builds = fixcost.prepare_builds(_log)
+    builds = fixcost.prepare_builds(base, _log)
     plan = fixcost.make_plan(names, [int(n) for n in _csv(args.micro)], args.rounds, steps, quick=args.quick)
 
     def save(record: dict) -> None:
         record["finished"] = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
         _write_fixcost(record, out_md, out_json)
 
-    fixcost.measure(plan, builds, data, log=_log, save=save)
+    fixcost.measure(plan, builds, data, base, log=_log, save=save)
     save(data)
     _log(f"wrote {out_md} and {out_json}")
     failed = [
@@ -229,7 +260,8 @@ def _write_fixcost(data: dict, out_md: Path, out_json: Optional[Path]) -> None:
     if out_json is not None:
         out_json.parent.mkdir(parents=True, exist_ok=True)
         out_json.write_text(json.dumps(data, indent=1, sort_keys=False) + "\n")
-    analysis = fixcost_report.ANALYSIS if out_md.resolve() == FIXCOST_MD.resolve() else None
+    base = fixcost_report.base_of(data)
+    analysis = fixcost_report.analysis_of(base) if out_md.resolve() == fixcost_md(base).resolve() else None
     out_md.parent.mkdir(parents=True, exist_ok=True)
     out_md.write_text(fixcost_report.render(data, analysis))
 
@@ -267,13 +299,17 @@ def main(argv=None) -> int:
                      default=None,
                      help="default: fp32 on CPU, bf16 on GPU")
     run.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
-    run.add_argument("--out", default=None, help="Markdown output (default docs/benchmarks.md; quick: scratch/)")
+    run.add_argument("--out",
+                     default=None,
+                     help="Markdown output (default docs/benchmarks.md, on 0.19.8 docs/benchmarks-0.19.8.md; "
+                     "quick: scratch/)")
     run.add_argument("--json", default=None, help="JSON output (default: beside the Markdown)")
     run.set_defaults(func=cmd_run)
 
     render = sub.add_parser("render", help="rewrite the Markdown table from the JSON")
-    render.add_argument("--json", default=str(DOCS_JSON))
-    render.add_argument("--out", default=str(DOCS_MD))
+    render.add_argument("--json", default=str(DOCS_JSON), help="default docs/benchmarks.json (0.19.8's: "
+                        "docs/benchmarks-0.19.8.json)")
+    render.add_argument("--out", default=None, help="default: the JSON's name with .md")
     render.set_defaults(func=cmd_render)
 
     factor = sub.add_parser("factor", help="re-measure only the gradient_divide_factor timing (d against b)")
@@ -283,7 +319,8 @@ def main(argv=None) -> int:
     factor.set_defaults(func=cmd_factor)
 
     fixcost = sub.add_parser("fixcost",
-                             help="pristine 0.19.3 against 0.19.3 + the bug-fix PRs in managed mode (the default)")
+                             help="pristine DeepSpeed against it + the bug-fix PRs in managed mode (the default), "
+                             "on the installed DeepSpeed's base")
     fixcost.add_argument("--quick", action="store_true", help="tiny tensors, few steps: a smoke run (under scratch/)")
     fixcost.add_argument("--configs",
                          default="",
@@ -292,7 +329,8 @@ def main(argv=None) -> int:
     fixcost.add_argument("--micro", default="1,4", help="micro-batches per logical step (default: 1,4)")
     fixcost.add_argument("--rounds", type=int, default=1, help="rounds (fresh engines) per configuration and N")
     fixcost.add_argument("--steps", default="", help="measured steps per trial, as N:steps,... (default 1:10,4:5)")
-    fixcost.add_argument("--out", default=None, help="Markdown (default docs/benchmarks-fixcost.md; quick: scratch/)")
+    fixcost.add_argument("--out", default=None, help="Markdown (default docs/benchmarks-fixcost.md, on 0.19.8 "
+                         "docs/benchmarks-fixcost-0.19.8.md; quick: scratch/)")
     fixcost.add_argument("--json", default=None, help="JSON (default: beside the Markdown)")
     fixcost.add_argument("--render", action="store_true", help="only rewrite the Markdown from the JSON")
     fixcost.set_defaults(func=cmd_fixcost)

@@ -1,5 +1,5 @@
-"""The cost of the series' bug-fix PRs for every user: pristine DeepSpeed 0.19.3 against 0.19.3 with the fix PRs,
-both in managed mode (the default).
+"""The cost of the series' bug-fix PRs for every user: pristine DeepSpeed against the same release with the fix PRs,
+both in managed mode (the default), on the base of the installed DeepSpeed (0.19.3 or 0.19.8).
 
 The bug-fix PRs (``fix-*``, first in the series) change what managed mode runs: ZeRO-3 waits for every coalesced
 all-gather, zeroes its flat gradient-partition buffer at the end of every ``step()`` and, with optimizer offload,
@@ -19,7 +19,7 @@ trial, which counts the collectives and measures the peak RSS of its own process
 turn (:mod:`benchmarks.lockstep`), in rotating order (a, f, a′; f, a′, a; a′, a, f; ...), so that only one build
 computes at a time, each engine is built once per round, and f/a and a′/a are ratios of neighbouring steps, as in the
 main benchmark's timing trial: a′/a is what two identical builds differ by on this machine. The trials also time the
-fixes' own methods and the ones they change (:data:`TIMED_METHODS`, :mod:`benchmarks.method_timer`).
+fixes' own methods and the ones they change (:data:`BASES`, :mod:`benchmarks.method_timer`).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import time
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 from benchmarks import configs
 from benchmarks.launch import RankPool
@@ -40,8 +40,6 @@ from benchmarks.model import ModelSize, build_model
 from benchmarks.run import Plan, _first_error, _preload, _Runner, cell_head, combine_ranks
 
 ROOT = Path(__file__).resolve().parent.parent
-#: The base whose bug-fix PRs are measured.
-BASE = "0.19.3"
 
 PRISTINE, FIXES, CONTROL = "pristine", "fixes", "pristine_control"
 #: The pools, in the order of the first round; later rounds rotate it.
@@ -61,24 +59,63 @@ QUICK_SIZE = ModelSize(vocab=64, d_model=8, n_heads=2, n_layers=84, d_ff=16, seq
 
 _STAGE3 = "deepspeed.runtime.zero.stage3:DeepSpeedZeroOptimizer_Stage3."
 _STAGE12 = "deepspeed.runtime.zero.stage_1_and_2:DeepSpeedZeroOptimizer."
-#: Timed in every trial: the ZeRO optimizers' step() (both builds: everything the fixes add runs inside it, but for
-#: the pending-id bookkeeping of ZeRO-1/2 offload backwards), the fixes' new methods (f only) and the coalesced
-#: all-gather whose wait they change (both builds).
-TIMED_METHODS = (
-    _STAGE3 + "step",
-    _STAGE3 + "_clear_grad_partitions",
-    _STAGE3 + "_copy_unreached_grad_partitions_to_fp32_partitions",
-    "deepspeed.runtime.zero.partition_parameters:Init._allgather_params_coalesced",
-    _STAGE12 + "step",
-    _STAGE12 + "_finalize_offloaded_gradients",
-    _STAGE12 + "reset_cpu_buffers",
-)
-#: Methods the fix PRs add: the pristine build must lack them and the fix build have them (a check of the builds).
-FIX_ONLY = (
-    _STAGE3 + "_clear_grad_partitions",
-    _STAGE3 + "_copy_unreached_grad_partitions_to_fp32_partitions",
-    _STAGE12 + "_finalize_offloaded_gradients",
-)
+_ALLGATHER = "deepspeed.runtime.zero.partition_parameters:Init._allgather_params_coalesced"
+
+
+@dataclass(frozen=True)
+class FixesOfBase:
+    """What one base's bug-fix PRs add to managed mode: the methods timed, and the words of the page."""
+
+    #: Timed in every trial: the ZeRO optimizers' ``step()`` (both builds: everything the fixes add runs inside it,
+    #: but for the pending-id bookkeeping of ZeRO-1/2 offload backwards), the fixes' new methods (f only) and the
+    #: methods whose work they change (both builds).
+    timed_methods: Tuple[str, ...]
+    #: Methods the fix PRs add: the pristine build must lack them and the fix build have them (a check of the builds).
+    fix_only: Tuple[str, ...]
+    #: What every managed-mode user runs with the fixes, after "so every user runs their code: ".
+    work: str
+    #: The page's note on the timed methods that are not ``step`` or new.
+    methods_note: str
+
+
+BASES = {
+    "0.19.3":
+    FixesOfBase(
+        timed_methods=(_STAGE3 + "step", _STAGE3 + "_clear_grad_partitions",
+                       _STAGE3 + "_copy_unreached_grad_partitions_to_fp32_partitions", _ALLGATHER, _STAGE12 + "step",
+                       _STAGE12 + "_finalize_offloaded_gradients", _STAGE12 + "reset_cpu_buffers"),
+        fix_only=(_STAGE3 + "_clear_grad_partitions", _STAGE3 + "_copy_unreached_grad_partitions_to_fp32_partitions",
+                  _STAGE12 + "_finalize_offloaded_gradients"),
+        work="ZeRO-3 waits for every coalesced all-gather, zeroes its flat gradient-partition buffer at the end of "
+        "every `step()` and, with optimizer offload, passes over the parameters at `step()` for the partitions the "
+        "boundary backward did not reach; ZeRO-1/2 with CPU optimizer offload record the parameters whose gradient is "
+        "pending on every backward, finish them at `step()` and zero the fp32 gradient partitions after it.",
+        methods_note="`Init._allgather_params_coalesced` re-gathers the persistent parameters, whose every all-gather "
+        "`fix-zero3-allgather-wait` waits for."),
+    "0.19.8":
+    FixesOfBase(
+        timed_methods=(_STAGE3 + "step", _STAGE3 + "_clear_grad_partitions",
+                       _STAGE3 + "_finalize_offload_gradient_accumulation", _STAGE12 + "step",
+                       _STAGE12 + "_finalize_cpu_offload_gradient_accumulation",
+                       _STAGE12 + "_copy_accumulated_grad_to_fp32_partition", _STAGE12 + "reset_cpu_buffers"),
+        fix_only=(_STAGE3 + "_clear_grad_partitions", _STAGE12 + "_copy_accumulated_grad_to_fp32_partition"),
+        work="ZeRO-3 zeroes its flat gradient-partition buffer at the end of every `step()` and, with optimizer "
+        "offload, runs 0.19.8's unmanaged offload finalize at `step()` for the partitions the boundary backward did "
+        "not reach; ZeRO-1/2 with CPU optimizer offload record the parameters whose gradient is pending on every "
+        "backward, finish them at `step()` through the same finalize and zero the fp32 gradient partitions after it. "
+        "(0.19.8 already has the coalesced all-gather wait, as upstream's #8539.)",
+        methods_note="`_finalize_offload_gradient_accumulation` and `_finalize_cpu_offload_gradient_accumulation` are "
+        "0.19.8's unmanaged offload finalizes, which the fixes run at every managed `step()` too (pristine 0.19.8 "
+        "runs them only in unmanaged mode); `_copy_accumulated_grad_to_fp32_partition` is the boundary copy they "
+        "share with the boundary backward."),
+}
+
+
+def installed_base() -> str:
+    """The release the installed DeepSpeed is built on (``0.19.8+gafollowups.9`` -> ``0.19.8``): its JIT ops are the
+    ones the trees reuse, so the builds measured are of that base."""
+    from importlib.metadata import version
+    return version("deepspeed").partition("+")[0]
 
 
 def short_method(target: str) -> str:
@@ -123,11 +160,11 @@ def _pristine_support():
     return pristine
 
 
-def prepare_builds(log: Callable[[str], None] = print) -> Dict[str, Build]:
-    """The pristine tree and the fix-prefix tree of :data:`BASE` (materialized on first use, then cached)."""
+def prepare_builds(base: str, log: Callable[[str], None] = print) -> Dict[str, Build]:
+    """The pristine tree and the fix-prefix tree of ``base`` (materialized on first use, then cached)."""
     pristine = _pristine_support()
     stack = pristine._stack()
-    stack.use_base(BASE)
+    stack.use_base(base)
     builds = {}
     for name, prs in ((PRISTINE, []), (FIXES, pristine.bug_fix_prefix())):
         started = time.monotonic()
@@ -137,7 +174,7 @@ def prepare_builds(log: Callable[[str], None] = print) -> Dict[str, Build]:
         log(f"{name}: {tree} ({len(prs)} PR(s): {', '.join(p.name for p in prs) or 'none'}; {ops}; "
             f"{time.monotonic() - started:.0f} s)")
     if not builds[FIXES].prs:
-        raise RuntimeError(f"the {BASE} series has no bug-fix PR to measure")
+        raise RuntimeError(f"the {base} series has no bug-fix PR to measure")
     return builds
 
 
@@ -164,13 +201,13 @@ def make_plan(configurations: List[str],
         factor_micro_counts=[])
 
 
-def settings(plan: Plan) -> dict:
+def settings(plan: Plan, base: str) -> dict:
     out = {k: v for k, v in plan.settings().items() if k not in ("timing_steps", "factor_micro_counts")}
     model = build_model(plan.size)
     out.update(configurations=[c.name for c in plan.configurations],
                parameter_tensors=len(list(model.parameters())),
                parameters=sum(p.numel() for p in model.parameters()),
-               timed_methods=list(TIMED_METHODS))
+               timed_methods=list(BASES[base].timed_methods))
     return out
 
 
@@ -212,12 +249,18 @@ def check_builds(pools: Dict[str, RankPool], builds: Dict[str, Build]) -> Dict[s
 def measure(plan: Plan,
             builds: Dict[str, Build],
             record: dict,
+            base: str,
             log: Callable[[str], None] = print,
             save: Callable[[dict], None] = lambda record: None) -> dict:
-    """Run every round of every cell into ``record["cells"]``, calling ``save(record)`` after each cell."""
+    """Run every round of every cell of ``base``'s builds into ``record["cells"]``, calling ``save(record)`` after
+    each cell."""
     preload = _preload(plan)
     plan.scratch.mkdir(parents=True, exist_ok=True)
-    record.update(settings=settings(plan), builds={name: b.describe() for name, b in builds.items()}, cells=[])
+    record.update(base=base,
+                  settings=settings(plan, base),
+                  builds={name: b.describe()
+                          for name, b in builds.items()},
+                  cells=[])
     with ExitStack() as exits:
         pools = {}
         for role in ROLES:
@@ -238,12 +281,13 @@ def measure(plan: Plan,
             for n_micro in plan.micro_counts:
                 cell = {**cell_head(configuration, n_micro), "trials": {role: [] for role in ROLES}, "errors": []}
                 record["cells"].append(cell)
-                _run_cell(plan, configuration, cell, runners, log)
+                _run_cell(plan, configuration, cell, runners, list(BASES[base].timed_methods), log)
                 save(record)
     return record
 
 
-def _run_cell(plan: Plan, configuration, cell: dict, runners: Dict[str, _Runner], log: Callable[[str], None]) -> None:
+def _run_cell(plan: Plan, configuration, cell: dict, runners: Dict[str, _Runner], record_methods: List[str],
+              log: Callable[[str], None]) -> None:
     """The rounds of one cell: per round, one trial per pool at once, stepping in turn (benchmarks.lockstep)."""
     n_micro = cell["n_micro"]
     steps = plan.warmup_steps + plan.steps_for(n_micro)
@@ -254,7 +298,7 @@ def _run_cell(plan: Plan, configuration, cell: dict, runners: Dict[str, _Runner]
         results: Dict[str, List[dict]] = {}
 
         def trial(role: str) -> None:
-            extra = {"timed_methods": list(TIMED_METHODS), "lockstep": conductor.address(role)}
+            extra = {"timed_methods": record_methods, "lockstep": conductor.address(role)}
             results[role] = runners[role].run(configuration, {
                 "n_micro": n_micro,
                 "mode": configs.MANAGED,

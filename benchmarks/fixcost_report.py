@@ -1,6 +1,6 @@
 """The cost of the bug-fix PRs (``python -m benchmarks fixcost``): comparisons against the targets, and the page.
 
-Per configuration and N, the fix build (f) against pristine 0.19.3 (a), both in managed mode, with a second pristine
+Per configuration and N, the fix build (f) against the pristine release (a), both in managed mode, with a second pristine
 pool (a′) as the control:
 
 * wall time: the median of the ratios f/a of neighbouring steps (the pools step in turn), at most
@@ -17,14 +17,28 @@ from __future__ import annotations
 import math
 import statistics
 from pathlib import Path
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 from benchmarks import report
-from benchmarks.fixcost import BUILD_OF, CONTROL, FIX_ONLY, FIXES, LETTER, PRISTINE, ROLES, short_method
+from benchmarks.fixcost import BASES, BUILD_OF, FixesOfBase, CONTROL, FIXES, LETTER, PRISTINE, ROLES, short_method
 
 #: The hand-written reading of the committed run, rendered into docs/benchmarks-fixcost.md.
 ANALYSIS = Path(__file__).resolve().parent / "fixcost-analysis.md"
+
+
+def analysis_of(base: str) -> Path:
+    """The hand-written reading of ``base``'s committed run (0.19.3's keeps its first name)."""
+    return ANALYSIS if base == "0.19.3" else ANALYSIS.with_name(f"fixcost-analysis-{base}.md")
 MIB = report.MIB
+
+
+def base_of(data: dict) -> str:
+    """The release measured (records before 0.19.8 was measured have no ``base``: they are of 0.19.3)."""
+    return data.get("base", "0.19.3")
+
+
+def _fixes(data: dict) -> FixesOfBase:
+    return BASES[base_of(data)]
 
 
 def _rounds_of_all(cell: dict) -> List[int]:
@@ -123,7 +137,7 @@ def _verdicts(fixes: dict, control: Optional[dict]) -> dict:
     }
 
 
-def method_times(cell: dict) -> List[dict]:
+def method_times(cell: dict, fix_only: Tuple[str, ...]) -> List[dict]:
     """Per timed method that ran: calls and median seconds per measured step for each role, and its share of f's
     median step time."""
     rows = {}
@@ -137,7 +151,7 @@ def method_times(cell: dict) -> List[dict]:
     fixes_step = (cell.get("comparisons") or {}).get(FIXES) or {}
     out = []
     for name, by_role in rows.items():
-        entry = {"method": name, "fix_only": name in FIX_ONLY}
+        entry = {"method": name, "fix_only": name in fix_only}
         for role in ROLES:
             values = by_role[role]
             entry[role] = ({
@@ -151,26 +165,27 @@ def method_times(cell: dict) -> List[dict]:
     return sorted(out, key=lambda e: (not e["fix_only"], e["method"]))
 
 
-def builds_as_expected(cell: dict) -> bool:
+def builds_as_expected(cell: dict, fix_only: Tuple[str, ...]) -> bool:
     """Whether every pristine trial lacked the fixes' new methods and every fix trial had them."""
     for role in ROLES:
         for trial in cell["trials"][role]:
-            absent = set(trial.get("methods_absent", FIX_ONLY)) & set(FIX_ONLY)
-            if absent != (set() if role == FIXES else set(FIX_ONLY)):
+            absent = set(trial.get("methods_absent", fix_only)) & set(fix_only)
+            if absent != (set() if role == FIXES else set(fix_only)):
                 return False
     return True
 
 
 def analyze(data: dict) -> dict:
     """Add ``summary``, ``comparisons``, ``verdicts`` and ``methods`` to every cell (in place); return ``data``."""
+    fix_only = _fixes(data).fix_only
     for cell in data.get("cells", []):
         cell["summary"] = {role: report.summarize_mode({"rounds": cell["trials"][role]}) for role in ROLES}
         timing = timing_of(cell)
         cell["comparisons"] = {role: compare(cell, role, timing) for role in (FIXES, CONTROL)}
         fixes = cell["comparisons"][FIXES]
         cell["verdicts"] = _verdicts(fixes, cell["comparisons"][CONTROL]) if fixes else None
-        cell["methods"] = method_times(cell)
-        cell["builds_as_expected"] = builds_as_expected(cell)
+        cell["methods"] = method_times(cell, fix_only)
+        cell["builds_as_expected"] = builds_as_expected(cell, fix_only)
     return data
 
 
@@ -357,25 +372,23 @@ def render(data: dict, analysis_path: Optional[Path] = None) -> str:
     machine, s = data["machine"], data["settings"]
     model = s["model"]
     fix_prs = data["builds"][FIXES]["prs"]
+    base, fixes = base_of(data), _fixes(data)
+    json_name = "benchmarks-fixcost.json" if base == "0.19.3" else f"benchmarks-fixcost-{base}.json"
     lines = [
         "# Benchmarks: the cost of the bug-fix PRs in managed mode",
         "",
-        f"The series starts with {len(fix_prs)} PRs that fix bugs of DeepSpeed 0.19.3 in managed mode, the default "
-        f"({', '.join(f'`{name}`' for name in fix_prs)}), so every user runs their code: ZeRO-3 waits for every "
-        "coalesced all-gather, zeroes its flat gradient-partition buffer at the end of every `step()` and, with "
-        "optimizer offload, passes over the parameters at `step()` for the partitions the boundary backward did not "
-        "reach; ZeRO-1/2 with CPU optimizer offload record the parameters whose gradient is pending on every "
-        "backward, finish them at `step()` and zero the fp32 gradient partitions after it. This page measures what "
-        "that costs: pristine DeepSpeed 0.19.3 **(a)** against 0.19.3 with the fix PRs **(f)**, both in managed "
-        "mode, and a second pristine build **(a′)** as the control.",
+        f"The {base} series starts with {len(fix_prs)} bug-fix PRs ({', '.join(f'`{name}`' for name in fix_prs)}). "
+        f"What they change in managed mode, the default, every user runs: {fixes.work} This page "
+        f"measures what that costs: pristine DeepSpeed {base} **(a)** against {base} with the fix PRs **(f)**, both in "
+        "managed mode, and a second pristine build **(a′)** as the control.",
         "",
         f"Targets for (f): a median time ratio f/a of at most {report.TIME_RATIO_TARGET} (or within the quartiles of "
         f"a′/a, what two identical builds differ by on this machine), peak RSS within "
         f"{report.MEMORY_TOLERANCE * 100:.0f} %, the same collectives and the same losses.",
         "",
-        f"Generated by `{data['command']}` ({data.get('finished')}); regenerate the text from "
-        "`docs/benchmarks-fixcost.json` with `python -m benchmarks fixcost --render`. Do not edit by hand. The cost "
-        "of unmanaged mode itself is on [benchmarks.md](benchmarks.md).",
+        f"Generated by `{data['command']}` ({data.get('finished')}); regenerate the text from `docs/{json_name}` "
+        f"with `python -m benchmarks fixcost --render` (in the {base} build's virtualenv). Do not edit by hand. The "
+        "cost of unmanaged mode itself is on [benchmarks.md](benchmarks.md).",
         "",
         "## Machine and software",
         "",
@@ -416,10 +429,9 @@ def render(data: dict, analysis_path: Optional[Path] = None) -> str:
         "## Time inside the methods the fixes add or change",
         "",
         "Median wall time per measured step inside each method (the slowest rank), in the same trials; *(new)* marks "
-        "the fixes' own methods, which pristine 0.19.3 does not have. `step` is the ZeRO optimizer's `step()`, which "
+        f"the fixes' own methods, which pristine {base} does not have. `step` is the ZeRO optimizer's `step()`, which "
         "runs everything the fixes add but the per-backward bookkeeping of ZeRO-1/2 offload (one set insertion per "
-        "parameter and backward); `Init._allgather_params_coalesced` re-gathers the persistent parameters, whose "
-        "every all-gather `fix-zero3-allgather-wait` waits for.",
+        f"parameter and backward); {fixes.methods_note}",
         "",
     ]
     lines += _method_table(data)

@@ -42,8 +42,21 @@ def _git(repo: Path, *args: str) -> Optional[str]:
         return None
 
 
+def _series_titles(version: str) -> Optional[list]:
+    """The titles of the PRs a ``pip install .`` of this checkout gives ``version`` (``0.19.8+gafollowups.9``: the
+    first 9 of patches/deepspeed-0.19.8/series), or None when the version is not one of the checkout's series."""
+    base, _, local = version.partition("+")
+    count = local.rpartition(".")[2]
+    series = Path(__file__).resolve().parent.parent / "patches" / f"deepspeed-{base}" / "series"
+    if not count.isdigit() or not series.is_file():
+        return None
+    titles = [line.split(" ", 1)[1] for line in series.read_text().splitlines() if line and not line.startswith("#")]
+    return titles if len(titles) == int(count) else None
+
+
 def deepspeed_series() -> dict:
-    """The installed DeepSpeed's version and, for an editable install of the series, its PR commits."""
+    """The installed DeepSpeed's version and its PRs: the commits of an editable install of the series, else the
+    titles of the checkout's series when the version says it is that series (the ``pip install .`` of tools/test.sh)."""
     import deepspeed
     info = {"version": deepspeed.__version__, "source": None, "commits": None, "uncommitted_changes": None}
     package = Path(deepspeed.__file__).resolve().parent
@@ -55,6 +68,8 @@ def deepspeed_series() -> dict:
         status = _git(Path(top), "status", "--porcelain", "--untracked-files=no", "--", "deepspeed", "op_builder",
                       "accelerator")
         info["uncommitted_changes"] = bool(status)
+    else:
+        info["commits"] = _series_titles(info["version"])
     return info
 
 

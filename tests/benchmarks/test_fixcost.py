@@ -159,7 +159,7 @@ def test_build_env_reuses_installed_ops_or_builds_beside_the_tree(tmp_path):
 
 
 # -- report ---------------------------------------------------------------------------------------------------
-def _trial(times, losses, peak, methods=None, counts=None, rounds=0, absent=fixcost.FIX_ONLY):
+def _trial(times, losses, peak, methods=None, counts=None, rounds=0, absent=fixcost.BASES["0.19.3"].fix_only):
     counts = counts or {"all_reduce": {"calls": 2, "bytes": 100}}
     return {
         "round": rounds,
@@ -288,7 +288,7 @@ def test_report_pairs_steps_and_renders_the_verdicts(tmp_path):
 
 def test_report_notices_a_build_that_is_not_what_it_claims():
     data = _record()
-    data["cells"][0]["trials"][fixcost.FIXES][0]["methods_absent"] = list(fixcost.FIX_ONLY)  # pristine code
+    data["cells"][0]["trials"][fixcost.FIXES][0]["methods_absent"] = list(fixcost.BASES["0.19.3"].fix_only)
     assert not fixcost_report.analyze(data)["cells"][0]["builds_as_expected"]
     assert "what they claim (the fixes' new methods absent from every pristine trial, present in every fix trial): " \
         "0 of 1" in fixcost_report.render(data)
@@ -299,3 +299,22 @@ def test_loss_difference_is_infinite_where_only_one_build_is_finite():
     assert fixcost_report.loss_difference([[1.0, nan]], [[1.0, nan]]) == 0
     assert fixcost_report.loss_difference([[1.0, 2.0]], [[1.0, nan]]) == math.inf
     assert fixcost_report.loss_difference([[1.0, 2.0]], [[1.5, 2.0]]) == 0.5
+
+
+def test_a_0198_record_is_read_with_0198s_fixes():
+    """The record names its base; the fixes' methods and the page's words are that base's (0.19.8 has no all-gather
+    fix and its ZeRO-1/2 offload fix adds ``_copy_accumulated_grad_to_fp32_partition``)."""
+    data = _record()
+    data["base"] = "0.19.8"
+    copy = "deepspeed.runtime.zero.stage_1_and_2:DeepSpeedZeroOptimizer._copy_accumulated_grad_to_fp32_partition"
+    assert copy in fixcost.BASES["0.19.8"].fix_only
+    trials = data["cells"][0]["trials"]
+    for role in (fixcost.PRISTINE, fixcost.CONTROL):
+        trials[role][0]["methods_absent"] = list(fixcost.BASES["0.19.8"].fix_only)
+    assert fixcost_report.analyze(data)["cells"][0]["builds_as_expected"]
+    trials[fixcost.FIXES][0]["methods_absent"] = [copy]  # a fix build without the copy 0.19.8's fix adds
+    assert not fixcost_report.analyze(data)["cells"][0]["builds_as_expected"]
+    page = fixcost_report.render(fixcost_report.analyze(data))
+    assert "pristine DeepSpeed 0.19.8 **(a)** against 0.19.8 with the fix PRs" in page
+    assert "`fix-zero3-allgather-wait`" not in page and "docs/benchmarks-fixcost-0.19.8.json" in page
+    assert fixcost_report.analysis_of("0.19.8").name == "fixcost-analysis-0.19.8.md"
