@@ -67,6 +67,30 @@ PAYLOAD_ARGUMENT: Dict[str, Optional[str]] = {
 }
 
 
+#: Position of the payload among a backend method's arguments (after ``self``), for methods whose decorator hides
+#: their signature (0.19.8's ``stage_on_cpu`` wrapper takes ``*args, **kwargs``).
+PAYLOAD_POSITION: Dict[str, int] = {
+    "reduce_scatter": 1,
+    "reduce_scatter_tensor": 1,
+    "all_to_all_single": 1,
+    "all_to_all": 1,
+}
+
+
+def _payload(signature: inspect.Signature, name: str, payload: str, args: tuple, kwargs: dict):
+    """The payload argument of a call, by name where the signature names it, else by keyword or position."""
+    try:
+        arguments = signature.bind_partial(*args, **kwargs).arguments
+    except TypeError:
+        arguments = {}
+    if payload in arguments:
+        return arguments[payload]
+    if payload in kwargs:
+        return kwargs[payload]
+    position = PAYLOAD_POSITION.get(name, 0)
+    return args[position] if len(args) > position else None
+
+
 class CommCounter:
     """Calls and bytes per collective type issued through ``deepspeed.comm``.
 
@@ -125,10 +149,7 @@ class CommCounter:
             if not self._paused:
                 size = 0
                 if payload is not None:
-                    try:
-                        size = _nbytes(signature.bind_partial(*args, **kwargs).arguments.get(payload))
-                    except TypeError:
-                        size = 0
+                    size = _nbytes(_payload(signature, name, payload, args, kwargs))
                 self._record(name, size)
             return method(*args, **kwargs)
 

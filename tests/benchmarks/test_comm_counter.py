@@ -197,3 +197,46 @@ def test_report_allows_unmanaged_mode_only_the_step_check():
     assert not report.is_step_check(managed, plus(2, 80))
     assert not report.is_step_check(managed, plus(1, 80, all_gather={"calls": 5, "bytes": 800}))
     assert report.is_step_check({}, {"all_reduce": {"calls": 1, "bytes": 80}})
+
+
+def test_payload_positions_match_the_backends_signatures() -> None:
+    """Where a decorator hides a backend method's signature (0.19.8's ``stage_on_cpu``), the counter finds the payload
+    by position: each position must be the payload's place in the method's own signature."""
+    import inspect
+
+    from deepspeed.comm.torch import TorchBackend
+
+    from benchmarks.comm_counter import PAYLOAD_ARGUMENT, PAYLOAD_POSITION
+
+    checked = 0
+    for name, payload in PAYLOAD_ARGUMENT.items():
+        method = getattr(TorchBackend, name, None)
+        if payload is None or method is None:
+            continue
+        # The undecorated function: functools.wraps keeps it as __wrapped__; stage_on_cpu keeps it in its closure
+        functions = [inspect.unwrap(method)] + [c.cell_contents for c in (method.__closure__ or ())
+                                                if inspect.isfunction(c.cell_contents)]
+        for function in functions:
+            parameters = list(inspect.signature(function).parameters)[1:]
+            if payload in parameters:
+                assert parameters.index(payload) == PAYLOAD_POSITION.get(name, 0), name
+                checked += 1
+                break
+    assert checked >= 10
+
+
+def test_a_payload_hidden_by_a_decorator_is_found_by_position() -> None:
+    import inspect
+
+    import torch
+
+    from benchmarks.comm_counter import _payload
+
+    def hidden(*args, **kwargs):
+        pass
+
+    output, tensor = torch.zeros(4), torch.zeros(8)
+    signature = inspect.signature(hidden)
+    assert _payload(signature, "reduce_scatter_tensor", "input_tensor", (output, tensor), {}) is tensor
+    assert _payload(signature, "all_reduce", "tensor", (tensor, ), {}) is tensor
+    assert _payload(signature, "all_reduce", "tensor", (), {"tensor": tensor}) is tensor
