@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import time
@@ -153,7 +152,9 @@ def markdown(results: list[dict]) -> str:
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "rank":
         rank_main(Path(sys.argv[2]), int(sys.argv[3]), sys.argv[4], int(sys.argv[5]) if len(sys.argv) > 5 else 0)
-        os._exit(0)  # skip interpreter teardown (library threads left by ZeRO-3 can abort it)
+        from examples.ranks import exit_rank
+
+        exit_rank(0)
     if len(sys.argv) > 2 and sys.argv[1] == "render":  # the table again from a --json file
         print(markdown(json.loads(Path(sys.argv[2]).read_text())["results"]))
         return

@@ -14,11 +14,10 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import sys
 
 import torch
 import torch.multiprocessing as mp
-from ranks import disable_cpu_shm_allreduce, free_port, rank_env  # examples/ranks.py, beside this file
+from ranks import disable_cpu_shm_allreduce, exit_rank, free_port, rank_env  # examples/ranks.py, beside this file
 
 MICRO_BATCH = 4
 FEATURES = 16
@@ -91,11 +90,7 @@ def rank_main(rank: int, world_size: int, port: int, steps: int) -> None:
             raise SystemExit(f"rank {rank}: unmanaged and managed engines diverged at step {step}")
     deepspeed.comm.barrier()
     deepspeed.comm.destroy_process_group()
-    # Skip interpreter teardown: the destructors of gloo and of DeepSpeed's C++ ops can abort a finished
-    # rank there ("terminate called without an active exception", seen in CI on 0.19.8).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_rank(0)
 
 
 def main() -> None:

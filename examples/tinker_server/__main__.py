@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -194,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         return _rl_demo(args)
     if args.command == "recipes-demo":
         return _recipes_demo(args)
+    from ..ranks import exit_rank
     from .server import RankOptions, run_rank
 
     code = run_rank(RankOptions(port=args.port, zero_stage=args.zero_stage, checkpoint_root=args.checkpoint_dir,
@@ -202,11 +202,7 @@ def main(argv: list[str] | None = None) -> int:
                                 base_models=tuple(args.base_model), host=args.host, device=args.device,
                                 dtype=args.dtype, gradient_checkpointing=args.gradient_checkpointing,
                                 keep_checkpoints=args.keep_checkpoints))
-    # A rank that stopped cleanly exits without interpreter teardown: C++ threads left by the libraries
-    # (seen with ZeRO-3) abort the process ("terminate called without an active exception") otherwise.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    exit_rank(code)  # a rank that stopped cleanly skips interpreter teardown
 
 
 if __name__ == "__main__":

@@ -402,8 +402,6 @@ def test_sl_loop_lowers_the_loss_and_saves_its_final_checkpoint(server, cookbook
     nll = metrics(log_path, "train_mean_nll")
     assert len(nll) == steps and all(math.isfinite(x) for x in nll)
     assert sum(nll[-2:]) / 2 < sum(nll[:2]) / 2 - 0.5, f"the loss did not go down: {nll}"
-    # The schedule the recipe computes is the one logged: 1 - step / (128 conversations // 8)
-    np.testing.assert_allclose(metrics(log_path, "learning_rate"), [2e-2 * (1 - s / 16) for s in range(steps)])
     final = json.loads((log_path / "checkpoints.jsonl").read_text().splitlines()[-1])
     assert final["name"] == "final" and final["state_path"] and final["sampler_path"]
     # Both halves of the final checkpoint are the training run's, as the RestClient lists them
