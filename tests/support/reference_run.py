@@ -27,7 +27,7 @@ import torch
 from .offload_paths import AIO, CPU_ADAM, NVME, _offload, _offload3
 from .paths import (CLIP, WARMUP, Path, _zero2, _zero3, client_fused_adam, make_branchy_model, make_moe_model,
                     make_two_head_model, make_wide_model)
-from .training import destroy, flatten, forward_loss
+from .training import destroy, flatten, forward_loss, nvme_unavailable_reason
 
 #: Managed steps per case, of ``Case.gas`` micro-batches each (GAS by default).
 STEPS = 3
@@ -240,14 +240,6 @@ def digest(t: torch.Tensor) -> str:
     return hashlib.sha256(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
-def aio_available() -> bool:
-    """Whether DeepSpeed's async I/O op (NVMe offload) builds on this machine."""
-    from deepspeed.accelerator import get_accelerator
-
-    builder = get_accelerator().create_op_builder("AsyncIOBuilder")
-    return builder is not None and builder.is_compatible(verbose=False)
-
-
 def fixed_run(name: str, workdir: str, table: str = "default") -> dict:
     """Train case ``name`` of ``TABLES[table]`` in managed mode; return digests of everything a user could observe.
 
@@ -257,8 +249,8 @@ def fixed_run(name: str, workdir: str, table: str = "default") -> dict:
     case = TABLES[table][name]
     if case.needs_cuda and not torch.cuda.is_available():
         return {"skipped": "needs CUDA GPUs (the multi-GPU workflow runs it)"}
-    if case.needs_aio and not aio_available():
-        return {"skipped": "DeepSpeed's async I/O op (NVMe offload) does not build here (libaio-dev missing?)"}
+    if case.needs_aio and (reason := nvme_unavailable_reason()) is not None:
+        return {"skipped": reason}
     engine = case.path.initialize(gas=case.gas, managed=None, **case.more)
     seen = _DRIVES[case.drive](engine, f"{workdir}/{name}", case.gas)
     result = {**_observe(engine), **(seen or {})}
