@@ -1,6 +1,6 @@
 """pytest wiring for the series' tests: PR markers and ``--upto``, world sizes, rank timeouts.
 
-See tests/README.md. The rank machinery itself lives in tests/harness/.
+See CONTRIBUTING.md, "Tests". The rank machinery itself lives in tests/harness/.
 """
 
 from __future__ import annotations

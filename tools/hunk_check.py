@@ -937,7 +937,7 @@ class Checker:
             f"`patches/deepspeed-{self.base}/` materialized; uncommitted work is not in it), against deepspeed "
             f"`{self.installed_version}` installed in a virtualenv with each PR's `deepspeed/` files written over it. "
             f"Command: `nice python3 tools/hunk_check.py --base {self.base}` ({time.strftime('%Y-%m-%d')}); see "
-            "tests/README.md, \"Hunk-removal check\".",
+            "CONTRIBUTING.md, \"Hunk-removal check\".",
             "",
             "Each production hunk (the PR's diff in `deepspeed/`, cut as in its patch, 3 lines of context) was undone "
             "alone in the tree as of its PR, and that PR's tests ran with `-x`: the project's tests that belong to it "

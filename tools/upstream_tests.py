@@ -87,7 +87,7 @@ UPSTREAM_TESTS_ENV = "DS_UPSTREAM_TESTS_{}"
 #: the hybrid engine; engine and ZeRO checkpoints.
 FULL_SCOPE = ("unit/v1/zero", "unit/runtime", "unit/v1/half_precision", "unit/hybrid_engine", "unit/checkpoint")
 
-#: What CI runs (``--subset ci``; see tests/README.md for how it was chosen): these files (under ``tests/``), which
+#: What CI runs (``--subset ci``; see CONTRIBUTING.md, "What CI runs", for how it was chosen): these files (under ``tests/``), which
 #: exercise every file a PR of either series touches, with ONE parametrization of each test function (the first
 #: collected: the others repeat it for another stage, dtype or option), plus every test file the series adds
 #: (whole) and, in an upstream file the series changes, every parametrization of each test function it changes.
@@ -892,7 +892,7 @@ def render_base(results: dict) -> str:
 
 REPORT_HEADER = """# Upstream's unit tests on the series
 
-Written by `python3 tools/upstream_tests.py` (see [tests/README.md](../tests/README.md#upstreams-own-tests)):
+Written by `python3 tools/upstream_tests.py` (see [CONTRIBUTING.md](../CONTRIBUTING.md#upstreams-own-tests)):
 upstream's own test files next to the code the PRs touch, run on DeepSpeed's CPU accelerator against the pristine
 release and against the whole series in the same virtualenv, compared test by test. A test that passes on
 pristine and fails on the series is red. Each side runs its own version of each test file (the series' tree lays

@@ -15,7 +15,7 @@ The reference:
   touched (DeepSpeed steps such a parameter with a zero gradient).
 
 The default example count keeps CI short and is derandomised (the same plans every run);
-``DS_SERIES_PROPERTY_EXAMPLES=200 DS_SERIES_PROPERTY_SEED=random`` searches further (tests/README.md).
+``DS_SERIES_PROPERTY_EXAMPLES=200 DS_SERIES_PROPERTY_SEED=random`` searches further (CONTRIBUTING.md).
 """
 
 from __future__ import annotations
