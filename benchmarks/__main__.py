@@ -1,11 +1,14 @@
 """Command line: ``python -m benchmarks run`` measures; ``python -m benchmarks render`` rewrites the table.
 
-    python -m benchmarks run            # the full run: writes docs/benchmarks.md and docs/benchmarks.json
+    python -m benchmarks run            # the full run: writes benchmarks/results/benchmarks.md and .json
     python -m benchmarks run --quick    # a smoke run on a tiny model (writes under scratch/ by default)
-    python -m benchmarks render         # re-render docs/benchmarks.md from docs/benchmarks.json
+    python -m benchmarks render         # re-render benchmarks/results/benchmarks.md from its JSON
     python -m benchmarks factor         # re-measure only the gradient_divide_factor table into the JSON
     python -m benchmarks list           # the configurations
-    python -m benchmarks fixcost        # the cost of the bug-fix PRs in managed mode: docs/benchmarks-fixcost.md
+    python -m benchmarks fixcost        # the cost of the bug-fix PRs in managed mode: results/benchmarks-fixcost.md
+
+The pages and their hand-written analyses are committed in ``benchmarks/results/``; a run's JSON (every round and
+rank) is written beside its page and not committed, except ``*-summary.json``, what another page shows of it.
 """
 
 from __future__ import annotations
@@ -21,13 +24,15 @@ from pathlib import Path
 from typing import Optional
 
 ROOT = Path(__file__).resolve().parent.parent
-DOCS_MD = ROOT / "docs" / "benchmarks.md"
-DOCS_JSON = ROOT / "docs" / "benchmarks.json"
+RESULTS = Path(__file__).resolve().parent / "results"
+DOCS_MD = RESULTS / "benchmarks.md"
+DOCS_JSON = RESULTS / "benchmarks.json"
 QUICK_MD = ROOT / "scratch" / "benchmarks-quick.md"
 QUICK_JSON = ROOT / "scratch" / "benchmarks-quick.json"
-#: The 0.19.8 build's page, which docs/benchmarks.md summarizes beside its own (``run`` in the 0.19.8 virtualenv).
-DOCS_0198_MD = ROOT / "docs" / "benchmarks-0.19.8.md"
-FIXCOST_MD = ROOT / "docs" / "benchmarks-fixcost.md"
+#: The 0.19.8 build's page, which results/benchmarks.md summarizes beside its own (``run`` in the 0.19.8 virtualenv),
+#: from the committed summary of its JSON.
+DOCS_0198_MD = RESULTS / "benchmarks-0.19.8.md"
+FIXCOST_MD = RESULTS / "benchmarks-fixcost.md"
 QUICK_FIXCOST_MD = ROOT / "scratch" / "benchmarks-fixcost-quick.md"
 
 
@@ -132,36 +137,46 @@ def _failed_trials(data: dict) -> list:
 
 
 def page_of(base: str) -> Path:
-    """The committed page of the build on ``base``: docs/benchmarks.md for 0.19.3, docs/benchmarks-0.19.8.md."""
+    """The committed page of the build on ``base``: results/benchmarks.md for 0.19.3, results/benchmarks-0.19.8.md."""
     return DOCS_MD if base == "0.19.3" else DOCS_MD.with_name(f"benchmarks-{base}.md")
 
 
 def _render_page(data: dict, out_md: Path) -> str:
-    """``out_md``'s text: a committed page gets its hand-written analysis, and docs/benchmarks.md also the summary of
-    the 0.19.8 build's run beside its own, when that run is committed."""
+    """``out_md``'s text: a committed page gets its hand-written analysis, and results/benchmarks.md also the summary
+    of the 0.19.8 build's run beside its own (from that run's committed summary)."""
     from benchmarks import report
     report.analyze(data)
     if out_md.resolve() == DOCS_MD.resolve():
-        beside = DOCS_0198_MD.with_suffix(".json")
-        other = report.analyze(json.loads(beside.read_text())) if beside.is_file() else None
+        beside = summary_path(DOCS_0198_MD.with_suffix(".json"))
+        other = json.loads(beside.read_text()) if beside.is_file() else None
         return report.render(data, report.ANALYSIS, beside=other, beside_page=DOCS_0198_MD.name)
     if out_md.resolve() == DOCS_0198_MD.resolve():
         return report.render(data, report.ANALYSIS.with_name("analysis-0.19.8.md"))
     return report.render(data)
 
 
+def summary_path(out_json: Path) -> Path:
+    """Where the small, committed summary of the run in ``out_json`` goes: ``<name>-summary.json`` beside it."""
+    return out_json.with_name(f"{out_json.stem}-summary.json")
+
+
 def _write(data: dict, out_md: Path, out_json: Path) -> None:
+    from benchmarks import report
     text = _render_page(data, out_md)
     out_json.parent.mkdir(parents=True, exist_ok=True)
     out_json.write_text(json.dumps(data, indent=1, sort_keys=False) + "\n")
+    summary_path(out_json).write_text(json.dumps(report.summary(data), indent=1) + "\n")
     out_md.write_text(text)
 
 
 def cmd_render(args) -> int:
+    from benchmarks import report
     source = Path(args.json)
     out = Path(args.out) if args.out else source.with_suffix(".md")
-    out.write_text(_render_page(json.loads(source.read_text()), out))
-    print(f"wrote {out}")
+    data = json.loads(source.read_text())
+    out.write_text(_render_page(data, out))
+    summary_path(source).write_text(json.dumps(report.summary(data), indent=1) + "\n")
+    print(f"wrote {out} and {summary_path(source).name}")
     return 0
 
 
@@ -301,14 +316,14 @@ def main(argv=None) -> int:
     run.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
     run.add_argument("--out",
                      default=None,
-                     help="Markdown output (default docs/benchmarks.md, on 0.19.8 docs/benchmarks-0.19.8.md; "
+                     help="Markdown output (default benchmarks/results/benchmarks.md, on 0.19.8 benchmarks-0.19.8.md; "
                      "quick: scratch/)")
     run.add_argument("--json", default=None, help="JSON output (default: beside the Markdown)")
     run.set_defaults(func=cmd_run)
 
-    render = sub.add_parser("render", help="rewrite the Markdown table from the JSON")
-    render.add_argument("--json", default=str(DOCS_JSON), help="default docs/benchmarks.json (0.19.8's: "
-                        "docs/benchmarks-0.19.8.json)")
+    render = sub.add_parser("render", help="rewrite the Markdown table (and the run's summary) from the JSON")
+    render.add_argument("--json", default=str(DOCS_JSON), help="default benchmarks/results/benchmarks.json "
+                        "(0.19.8's: benchmarks-0.19.8.json)")
     render.add_argument("--out", default=None, help="default: the JSON's name with .md")
     render.set_defaults(func=cmd_render)
 
@@ -329,8 +344,8 @@ def main(argv=None) -> int:
     fixcost.add_argument("--micro", default="1,4", help="micro-batches per logical step (default: 1,4)")
     fixcost.add_argument("--rounds", type=int, default=1, help="rounds (fresh engines) per configuration and N")
     fixcost.add_argument("--steps", default="", help="measured steps per trial, as N:steps,... (default 1:10,4:5)")
-    fixcost.add_argument("--out", default=None, help="Markdown (default docs/benchmarks-fixcost.md, on 0.19.8 "
-                         "docs/benchmarks-fixcost-0.19.8.md; quick: scratch/)")
+    fixcost.add_argument("--out", default=None, help="Markdown (default benchmarks/results/benchmarks-fixcost.md, "
+                         "on 0.19.8 benchmarks-fixcost-0.19.8.md; quick: scratch/)")
     fixcost.add_argument("--json", default=None, help="JSON (default: beside the Markdown)")
     fixcost.add_argument("--render", action="store_true", help="only rewrite the Markdown from the JSON")
     fixcost.set_defaults(func=cmd_fixcost)

@@ -8,10 +8,10 @@ issue it too (for the factor checks); a rank without backward there raises befor
 
 Run once per base, each in its virtualenv::
 
-    .venv/bin/python -m benchmarks.checkcost --out docs/benchmarks-checkcost-0.19.3.json
-    .venv-0.19.8/bin/python -m benchmarks.checkcost --out docs/benchmarks-checkcost-0.19.8.json
-    python -m benchmarks.checkcost --render docs/benchmarks-checkcost-0.19.3.json \\
-        docs/benchmarks-checkcost-0.19.8.json > docs/benchmarks-checkcost.md
+    .venv/bin/python -m benchmarks.checkcost --out benchmarks/results/benchmarks-checkcost-0.19.3.json
+    .venv-0.19.8/bin/python -m benchmarks.checkcost --out benchmarks/results/benchmarks-checkcost-0.19.8.json
+    python -m benchmarks.checkcost --render benchmarks/results/benchmarks-checkcost-0.19.3.json \\
+        benchmarks/results/benchmarks-checkcost-0.19.8.json > benchmarks/results/benchmarks-checkcost.md
 """
 
 from __future__ import annotations

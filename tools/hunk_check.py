@@ -4,7 +4,7 @@
 For each PR of a base's series, the check drops one production hunk (a hunk of the PR's diff in ``deepspeed/``;
 test and doc hunks are not checked) at a time from the tree as of that PR, runs that PR's tests, and records
 the first test that fails, or that none does. A hunk no test notices is a test that is missing, or a hunk that
-can go. Run on demand (not in CI); it writes a Markdown report (default ``docs/hunk-check-<base>.md``).
+can go. Run on demand (not in CI); it writes a Markdown report (default ``tools/results/hunk-check-<base>.md``).
 
 What it checks is a snapshot of committed work: ``git archive <rev>`` of this repository (default HEAD) into
 ``build/hunk-check/<base>/main-<commit>/``, whose ``tools/stack.py materialize`` builds the series' tree there
@@ -428,7 +428,7 @@ class Checker:
         self.tree = self.src / "deepspeed-src" / self.base
         self.results_path = self.work / f"results-{self.commit[:12]}.json"
         self.logs = self.work / "logs"
-        self.report_path = Path(args.report) if args.report else ROOT / "docs" / f"hunk-check-{self.base}.md"
+        self.report_path = Path(args.report) if args.report else ROOT / "tools" / "results" / f"hunk-check-{self.base}.md"
         self.results: dict[str, dict] = {}
         self.hunk_counts: dict[str, int] = {}
         self.baselines: dict[str, dict] = {}
@@ -1074,7 +1074,7 @@ def main(argv: list[str] | None = None) -> int:
         help="virtualenv with the base's whole series installed non-editable (default .venv-hunks-<base>)")
     parser.add_argument("--rev", default="HEAD", help="commit of this repository to check (default HEAD)")
     parser.add_argument("--prs", nargs="+", metavar="NAME", help="check only these PRs (default: every PR)")
-    parser.add_argument("--report", help="the Markdown report to write (default docs/hunk-check-<base>.md)")
+    parser.add_argument("--report", help="the Markdown report to write (default tools/results/hunk-check-<base>.md)")
     parser.add_argument("--context",
                         type=int,
                         default=3,

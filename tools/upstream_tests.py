@@ -36,7 +36,7 @@ Hangs: the harness ends the whole session on a hung test (and may then block clo
 session writes its events as they happen (``tools/upstream_tests_plugin.py``); a test that runs longer than
 ``--timeout`` is killed with its session, counted as hung, and a new session resumes after it.
 
-    python3 tools/upstream_tests.py                        # both bases, every file of the scope; docs/upstream-tests.md
+    python3 tools/upstream_tests.py                        # both bases, every file of the scope; tools/results/upstream-tests.md
     python3 tools/upstream_tests.py --base 0.19.8 --subset ci --python .ci-venv-0.19.8/bin/python   # what CI runs
 """
 
@@ -117,7 +117,7 @@ CI_SUBSET: tuple[str, ...] = (
 )
 
 #: The CI subset's test ids per base (``--subset ci``), when committed: of the first parametrization of each test
-#: function in CI_SUBSET, those that passed on pristine in the committed comparison (docs/upstream-tests.md); a test
+#: function in CI_SUBSET, those that passed on pristine in the committed comparison (tools/results/upstream-tests.md); a test
 #: that fails or skips on pristine can never be red, so CI does not pay for it. ``--write-ci-ids`` writes it.
 CI_IDS = ROOT / "tests" / "upstream-ci" / "{base}.txt"
 
@@ -892,7 +892,7 @@ def render_base(results: dict) -> str:
 
 REPORT_HEADER = """# Upstream's unit tests on the series
 
-Written by `python3 tools/upstream_tests.py` (see [CONTRIBUTING.md](../CONTRIBUTING.md#upstreams-own-tests)):
+Written by `python3 tools/upstream_tests.py` (see [CONTRIBUTING.md](../../CONTRIBUTING.md#upstreams-own-tests)):
 upstream's own test files next to the code the PRs touch, run on DeepSpeed's CPU accelerator against the pristine
 release and against the whole series in the same virtualenv, compared test by test. A test that passes on
 pristine and fails on the series is red. Each side runs its own version of each test file (the series' tree lays
@@ -940,7 +940,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=str(ROOT / "scratch" / "upstream-tests"),
                         help="working folder (default scratch/upstream-tests)")
     parser.add_argument("--report", default=None,
-                        help="markdown report to write (default: docs/upstream-tests.md for a full run of every "
+                        help="markdown report to write (default: tools/results/upstream-tests.md for a full run of every "
                         "base, else <out>/report.md)")
     parser.add_argument("--write-ci-ids", action="store_true",
                         help=f"write {CI_IDS.relative_to(ROOT)} from an earlier --subset ci run's results.json: the "
@@ -955,7 +955,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.python and len(bases) != 1:
         parser.error("--python needs exactly one --base")
     whole = args.subset == "full" and not args.paths and set(bases) == set(stack.available_bases())
-    report = Path(args.report) if args.report else (ROOT / "docs" / "upstream-tests.md" if whole else
+    report = Path(args.report) if args.report else (ROOT / "tools" / "results" / "upstream-tests.md" if whole else
                                                    Path(args.out) / "report.md")
     if args.write_ci_ids:
         for base in bases:

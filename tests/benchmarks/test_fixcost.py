@@ -316,5 +316,5 @@ def test_a_0198_record_is_read_with_0198s_fixes():
     assert not fixcost_report.analyze(data)["cells"][0]["builds_as_expected"]
     page = fixcost_report.render(fixcost_report.analyze(data))
     assert "pristine DeepSpeed 0.19.8 **(a)** against 0.19.8 with the fix PRs" in page
-    assert "`fix-zero3-allgather-wait`" not in page and "docs/benchmarks-fixcost-0.19.8.json" in page
+    assert "`fix-zero3-allgather-wait`" not in page and "benchmarks/results/benchmarks-fixcost-0.19.8.json" in page
     assert fixcost_report.analysis_of("0.19.8").name == "fixcost-analysis-0.19.8.md"
