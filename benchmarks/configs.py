@@ -27,7 +27,7 @@ TOGGLE = "toggle"
 MODES = (MANAGED, UNMANAGED, TOGGLE)
 MODE_LETTER = {MANAGED: "a", UNMANAGED: "b", TOGGLE: "c"}
 #: (d), timed against (b) only: unmanaged with raw losses and ``step(gradient_divide_factor=N * world)``,
-#: the same update as (b) with the normaliser applied once per step instead of to every loss (PR 5).
+#: the same update as (b) with the normaliser applied once per step instead of to every loss (`gradient-divide-factor`).
 FACTOR = "unmanaged_factor"
 
 

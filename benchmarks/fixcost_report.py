@@ -240,7 +240,7 @@ def _builds(data: dict) -> List[str]:
         build = data["builds"][BUILD_OF[role]]
         letters = " and ".join(f"({LETTER[r]})" for r in ROLES if BUILD_OF[r] == BUILD_OF[role])
         imported = (data.get("imported") or {}).get(role) or {}
-        prs = "; ".join(f"PR {i}: `{name}`" for i, name in enumerate(build["prs"], 1)) or "no PR (pristine)"
+        prs = ", ".join(f"`{name}`" for name in build["prs"]) or "no PR (pristine)"
         lines.append(f"- {letters} DeepSpeed {str(imported.get('version', '?')).strip()} sdist + {prs}: the tree "
                      f"`{build['tree']}`, imported by PYTHONPATH (nothing installed)")
     ops = {b["installed_ops"] is not None for b in data["builds"].values()}

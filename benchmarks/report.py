@@ -335,6 +335,16 @@ def _memory_vs(comparison: Optional[dict], entry: dict) -> str:
     return f"{(comparison['memory_ratio'] - 1) * 100:+.2f} % ({_signed_mib(comparison['memory_delta_bytes'])})"
 
 
+def _short_names(base: str) -> Dict[str, str]:
+    """Each PR's title -> its short name, from ``patches/deepspeed-<base>/series``: PRs are named, not numbered
+    (a position goes stale when PRs are put before it)."""
+    series = Path(__file__).resolve().parent.parent / "patches" / f"deepspeed-{base}" / "series"
+    if not series.is_file():
+        return {}
+    pairs = [line.split(" ", 1) for line in series.read_text().splitlines() if line and not line.startswith("#")]
+    return {title: name for name, title in pairs}
+
+
 def _series_line(ds: dict) -> str:
     commits = ds.get("commits")
     base = ds["version"].partition("+")[0]
@@ -343,7 +353,9 @@ def _series_line(ds: dict) -> str:
     elif not commits:
         text = f"DeepSpeed {ds['version']}: pristine {base}, no PR of the series committed"
     else:
-        text = f"DeepSpeed {ds['version']}: {base} + " + "; ".join(f"PR {i}: {s}" for i, s in enumerate(commits, 1))
+        names = _short_names(base)
+        prs = ", ".join(f"`{names[title]}`" if title in names else title for title in commits)
+        text = f"DeepSpeed {ds['version']}: {base} + {prs}"
     if ds.get("uncommitted_changes"):
         text += " (the DeepSpeed tree had uncommitted changes)"
     return text
@@ -503,7 +515,7 @@ def _render_factor(section: dict) -> List[str]:
         return []
     steps = {c["n_micro"]: c.get("measured_steps") for c in cells}
     lines = [
-        f"### {section['device'].upper()}: the cost of `step(gradient_divide_factor=...)` (PR 5)",
+        f"### {section['device'].upper()}: the cost of `step(gradient_divide_factor=...)` (`gradient-divide-factor`)",
         "",
         "(d) is unmanaged mode with raw losses and `step(gradient_divide_factor=N * world_size)`, the same "
         "update as (b), whose losses are divided by N before `backward()`. One timing trial per configuration "

@@ -9,7 +9,7 @@ For one configuration and micro-batch count N:
   drives them step by step in rotating order, so b/a and c/a are measured pair by pair on
   neighbouring steps, and a′/a shows how far two identical engines drift apart on this machine.
 
-Then, for the step-time normaliser of PR 5, one more timing trial per configuration (at
+Then, for the step-time normaliser of `gradient-divide-factor`, one more timing trial per configuration (at
 ``Plan.factor_micro_counts``) holds (b), (d) (raw losses and ``step(gradient_divide_factor=N * world)``)
 and a second (b) engine b′, so d/b is measured against the noise b′/b.
 """

@@ -56,7 +56,7 @@ PRISTINE_VERSIONS = (BASE.version, stack.version_for(0))
 
 
 def read_series(series_file: Path = SERIES_FILE) -> list[str]:
-    """The PRs' short names in stack order (index 0 is PR 1)."""
+    """The PRs' short names in stack order (``--upto K`` selects the first K)."""
     return [patch.name for patch in stack.read_series(series_file)]
 
 
@@ -102,7 +102,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "pr(*names): the test belongs to the PR with this short name in the tested base's series "
-        "(the latest of those named; the whole series if it names none of them); unmarked tests are tooling (PR 0)")
+        "(the latest of those named; the whole series if it names none of them); unmarked tests are tooling (position 0 for --upto)")
     config.addinivalue_line(
         "markers", "base(*versions, reason=...): the test applies to these bases' series only, e.g. it checks their "
         "internals (skipped on others, with the reason)")

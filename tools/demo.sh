@@ -12,7 +12,7 @@ source "$(dirname "${BASH_SOURCE[0]}")/test.sh"
 # The Tinker-protocol server on 2 CPU ranks. Default: reinforcement learning driven by tinker-cookbook's
 # RL loop (sampling, importance_sampling, a varying number of forward_backward calls per step), printing the
 # reward per step. `sft`: the official tinker SDK's SFT loop with a varying number of forward_backward calls
-# per step. The simpler RPC-style loop of PR 1 is `python examples/rpc_training_loop.py`.
+# per step. The simpler RPC-style loop of `zero-0-1` is `python examples/rpc_training_loop.py`.
 DEMO=(bash examples/tinker_server/run_demo.sh)
 
 ds_series_setup

@@ -1,4 +1,4 @@
-"""PR 5: step(gradient_divide_factor=...) normalises the summed gradient once per step, on every stage."""
+"""`gradient-divide-factor`: step(gradient_divide_factor=...) normalises the summed gradient once per step, on every stage."""
 
 import pytest
 import torch

@@ -1,4 +1,4 @@
-"""ZeRO-Offload engine configurations (PR 4), in the same ``Path`` form as ``support.paths``.
+"""ZeRO-Offload engine configurations (`zero-offload`), in the same ``Path`` form as ``support.paths``.
 
 Optimizer offload (CPU and NVMe) for ZeRO stages 1, 2 and 3, parameter offload (CPU and NVMe) for
 stage 3.

@@ -300,7 +300,7 @@ WARMUP = {
 }
 CLIP = {"gradient_clipping": 0.05}
 
-#: Every optimizer path ZeRO stage 0/1 can take (PR 1), each with clipping and most with an LR scheduler.
+#: Every optimizer path ZeRO stage 0/1 can take (`zero-0-1`), each with clipping and most with an LR scheduler.
 ZERO_0_1_PATHS: dict[str, Path] = {
     "fp32-deepspeed-optimizer": Path(0, "fp32", {
         **CLIP,
@@ -359,7 +359,7 @@ def _zero2(dtype: str = "fp32", needs_fp16: bool = False, model_fn=make_model, *
     return Path(2, dtype, {**CLIP, **WARMUP, "zero_optimization": zero}, model_fn=model_fn, needs_fp16=needs_fp16)
 
 
-#: ZeRO stage 2 and every option a user can set on it (PR 2).
+#: ZeRO stage 2 and every option a user can set on it (`zero-2`).
 ZERO_2_PATHS: dict[str, Path] = {
     "zero2-fp32": _zero2(),
     "zero2-overlap-comm": _zero2(overlap_comm=True),
@@ -384,7 +384,7 @@ def _zero3(dtype: str = "fp32", needs_fp16: bool = False, model_fn=make_model, *
     return Path(3, dtype, {**CLIP, **WARMUP, "zero_optimization": zero}, model_fn=model_fn, needs_fp16=needs_fp16)
 
 
-#: ZeRO stage 3 and what its users set (PR 3).
+#: ZeRO stage 3 and what its users set (`zero-3`).
 ZERO_3_PATHS: dict[str, Path] = {
     "zero3-fp32":
     _zero3(),
@@ -450,6 +450,6 @@ CORE_PATHS = frozenset({
     "zero3-wide"
 })
 
-# The offload configurations (PR 4) live in their own module, built from the helpers above; importing
+# The offload configurations (`zero-offload`) live in their own module, built from the helpers above; importing
 # it adds them to PATHS.
 from . import offload_paths  # noqa: E402,F401

@@ -310,7 +310,7 @@ def sixteen_bit_export_parity(path_name: str, save_dir: str) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
-# PR 5: step(gradient_divide_factor=...)
+# gradient-divide-factor: step(gradient_divide_factor=...)
 # ----------------------------------------------------------------------------------------------
 
 

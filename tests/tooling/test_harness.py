@@ -1,4 +1,4 @@
-"""Tests of the multi-rank harness itself (tooling, PR 0). Each runs in seconds."""
+"""Tests of the multi-rank harness itself (tooling). Each runs in seconds."""
 
 from __future__ import annotations
 

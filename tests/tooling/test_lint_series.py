@@ -1,4 +1,4 @@
-"""Tests of tools/lint_series.py (tooling, PR 0) on a small synthetic stack: fast, no sdist."""
+"""Tests of tools/lint_series.py (tooling) on a small synthetic stack: fast, no sdist."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Tests of the stack tool, tools/stack.py (tooling, PR 0).
+"""Tests of the stack tool, tools/stack.py (tooling).
 
 Every test works in temporary folders: the module's paths (patches/, the series index, the
 materialized tree, the prefix trees) are pointed there, so the project's own ``deepspeed-src/``,

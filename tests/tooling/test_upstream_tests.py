@@ -1,4 +1,4 @@
-"""Tests of tools/upstream_tests.py's rules (tooling, PR 0): the verdict per test id, one outcome from pytest's
+"""Tests of tools/upstream_tests.py's rules (tooling): the verdict per test id, one outcome from pytest's
 phase reports, which changed test functions the CI subset keeps whole, and the plugin's one-per-function
 selection. Nothing is installed and no DeepSpeed test runs here; the comparison itself is run on demand and by CI.
 """

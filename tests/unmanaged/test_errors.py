@@ -1,4 +1,4 @@
-"""PR 1: the flag's config contract and every clear error unmanaged mode raises, as early as possible."""
+"""`zero-0-1`: the flag's config contract and every clear error unmanaged mode raises, as early as possible."""
 
 import re
 

@@ -1,4 +1,4 @@
-"""PRs 1-3: what unmanaged mode promises besides parity - boundary, bookkeeping, discard, fp16 overflow,
+"""`zero-0-1`, `zero-2`, `zero-3`: what unmanaged mode promises besides parity - boundary, bookkeeping, discard, fp16 overflow,
 checkpoints, memory, 16-bit export - on every ZeRO stage."""
 
 import pytest

@@ -1,4 +1,4 @@
-"""PR 4: ZeRO-Offload in unmanaged mode: optimizer offload to CPU and NVMe (ZeRO stages 1, 2, 3), parameter
+"""`zero-offload`: ZeRO-Offload in unmanaged mode: optimizer offload to CPU and NVMe (ZeRO stages 1, 2, 3), parameter
 offload to CPU and NVMe (stage 3).
 
 Every backward takes the offload path managed mode takes on a non-boundary micro-step (accumulate into the
