@@ -1,5 +1,5 @@
 """Peak memory per rank of the Tinker server's training side: loading a model, then one training step, for ZeRO
-1, 2 and 3 at 1, 2 and 4 CPU ranks (docs/tinker-server.md, "Memory per rank").
+1, 2 and 3 at 1, 2 and 4 CPU ranks (docs/tinker-server/deployment.md, "Memory per rank").
 
     python -m benchmarks.tinker_memory [--stages 1 2 3] [--worlds 1 2 4] [--json PATH] [--markdown PATH]
     python -m benchmarks.tinker_memory render PATH.json     # the table again from a --json file

@@ -1,4 +1,4 @@
-"""Sampling throughput of the Tinker server's sampler, before and after batching (docs/tinker-server.md).
+"""Sampling throughput of the Tinker server's sampler, before and after batching (docs/tinker-server/internals.md).
 
     python -m benchmarks.tinker_sampling [--reps 5] [--threads 1] [--json PATH]
 

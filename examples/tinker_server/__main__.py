@@ -1,7 +1,7 @@
 """Command line: ``python -m examples.tinker_server {serve,demo,rl-demo,recipes-demo,rank}`` from the repository root.
 
 ``rank`` is one process of a server; ``serve`` starts W of them itself, and ``torchrun`` or the
-``deepspeed`` launcher can start them instead (see docs/tinker-server.md).
+``deepspeed`` launcher can start them instead (see docs/tinker-server/deployment.md).
 """
 
 from __future__ import annotations

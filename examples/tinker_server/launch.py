@@ -4,7 +4,7 @@ The quick start, with no launcher dependency: each rank gets the environment tor
 and DeepSpeed read (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_SIZE, MASTER_ADDR, MASTER_PORT; on the CPU
 DS_ACCELERATOR=cpu, since DeepSpeed's CPU accelerator reports its device count from LOCAL_SIZE).
 With CUDA GPUs it starts one rank per GPU. ``torchrun`` and ``deepspeed`` start the same ranks
-across nodes (docs/tinker-server.md).
+across nodes (docs/tinker-server/deployment.md).
 """
 
 from __future__ import annotations
