@@ -37,8 +37,9 @@ _ds_series_inputs_digest() {
     (
         cd "$DS_SERIES_ROOT"
         local f
+        # The series' own files (not a README beside them): what `pip install .` builds from.
         for f in "${DS_SERIES_REQUIREMENTS[@]}" requirements/*.txt pyproject.toml tools/build_backend.py \
-            tools/stack.py patches/*/*; do
+            tools/stack.py patches/*/base.toml patches/*/series patches/*/*.patch; do
             [[ -f "$f" ]] && printf '%s\n' "$f" && cat "$f"
         done
         echo "base $DS_SERIES_BASE"
