@@ -20,27 +20,13 @@ import time
 from pathlib import Path
 from typing import List, Optional
 
-from ds_harness.ranks import MASTER_ADDR, free_port, rank_env
+from ds_harness.ranks import MASTER_ADDR, free_port, kill_tree, rank_env, remove_group_buffers
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 class LaunchError(RuntimeError):
     """A rank host died or did not answer in time."""
-
-
-def remove_shm_buffers(addr: str, port: int, world_size: int) -> None:
-    """Unlink the shared-memory all-reduce buffers DeepSpeed's CPU backend made for one process group.
-
-    DeepSpeed 0.19.3's shm comm op creates ``/dev/shm/deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank>``
-    (about 66 MB per rank) for every process group and never unlinks it. Every trial has its own port,
-    so without this each trial would leave 66 MB per rank in /dev/shm.
-    """
-    for rank in range(world_size):
-        try:
-            os.unlink(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{addr}_{port}_{rank}")
-        except OSError:
-            pass
 
 
 class _Host:
@@ -164,7 +150,7 @@ class RankPool:
             try:
                 host.process.wait(timeout=30)
             except subprocess.TimeoutExpired:
-                host.process.kill()
+                kill_tree(host.process.pid)
                 host.process.wait()
             host.log.close()
         self.hosts = []
@@ -211,7 +197,8 @@ class RankPool:
         finally:
             for host in self.hosts:
                 host.kill_child()
-            remove_shm_buffers(MASTER_ADDR, port, self.world_size)
+            # DeepSpeed 0.19.3's shm comm op leaves about 66 MB per rank and process group; each trial has its port.
+            remove_group_buffers(MASTER_ADDR, port, self.world_size)
         results = []
         for host, out in zip(self.hosts, outs):
             try:

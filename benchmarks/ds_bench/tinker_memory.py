@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
+import os
 import sys
 import time
 from pathlib import Path
@@ -105,21 +105,15 @@ def rank_main(out: Path, stage: int, model_dir: str, lora_clients: int = 0) -> N
 
 
 def run_config(stage: int, world: int, model_dir: Path, scratch: Path, lora_clients: int = 0) -> list[dict]:
-    from ds_harness.ranks import free_port, rank_env
+    from ds_harness.ranks import start_ranks
 
     out = scratch / (f"zero{stage}-w{world}" + (f"-lora{lora_clients}" if lora_clients else ""))
     out.mkdir(parents=True, exist_ok=True)
     for old in out.glob("rank*.json"):
         old.unlink()
-    port = free_port()
-    procs = []
-    for rank in range(world):
-        env = rank_env(rank, world, port, cpu=True)
-        env.update(HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
-        log = open(out / f"rank{rank}.log", "w")
-        procs.append(subprocess.Popen([sys.executable, "-m", "ds_bench.tinker_memory", "rank", str(out), str(stage),
-                                       str(model_dir), str(lora_clients)], env=env, cwd=ROOT, stdout=log,
-                                      stderr=subprocess.STDOUT))
+    procs = start_ranks([sys.executable, "-m", "ds_bench.tinker_memory", "rank", str(out), str(stage), str(model_dir),
+                         str(lora_clients)], world, cpu=True,
+                        env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}, cwd=ROOT, log_dir=out)
     codes = [p.wait() for p in procs]
     if any(codes):
         raise SystemExit(f"ZeRO-{stage} x {world}: ranks exited {codes}; logs in {out}")

@@ -12,7 +12,6 @@ import atexit
 import importlib.util
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -21,7 +20,7 @@ import time
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from . import launch
+from . import launch, ranks
 from . import protocol as P
 from .errors import PoolStartError
 from .worker import BOOT, STACK_SIGNAL
@@ -116,12 +115,9 @@ class RankPool:
         shutil.rmtree(self.dir, ignore_errors=True)
 
     def _kill_procs(self) -> None:
-        """SIGKILL each rank's process group (keeps the logs, so they can still be read)."""
+        """SIGKILL each rank and everything it started (keeps the logs, so they can still be read)."""
         for proc in self.procs:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+            ranks.kill_tree(proc.pid)
         for proc in self.procs:
             try:
                 proc.wait(timeout=10)

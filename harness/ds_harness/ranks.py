@@ -1,15 +1,20 @@
 """Start local ranks the way ``torchrun`` would: a free port, each rank's environment, CPU op switches.
 
-The examples, the benchmarks and the test harness all start W ranks on one machine; they take the port,
-the variables torch.distributed and DeepSpeed read, and the op switches from here so that every local
-launch is the same launch.
+The examples, the benchmarks, the test harness and the Tinker server all start W ranks on one machine; they take
+the port, the variables torch.distributed and DeepSpeed read, and the op switches from here (``start_ranks``, or
+``rank_env`` where a rank needs more plumbing, e.g. the harness's socket), so that every local launch is the same
+launch; and they stop them with ``kill_tree`` and clean ``/dev/shm`` with ``clean_shm`` (``ds_series.procs``).
 """
 
 from __future__ import annotations
 
 import os
 import socket
-from typing import Mapping, NoReturn
+import subprocess
+from pathlib import Path
+from typing import Mapping, NoReturn, Sequence
+
+from ds_series.procs import clean_shm, kill_tree, remove_group_buffers, shm_files  # noqa: F401 - the ranks' clean-up
 
 MASTER_ADDR = "127.0.0.1"
 
@@ -52,6 +57,35 @@ def rank_env(rank: int,
     if share_cores:
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world_size)))
     return env
+
+
+def start_ranks(argv: Sequence[str],
+                world_size: int,
+                *,
+                cpu: bool,
+                port: int | None = None,
+                env: Mapping[str, str] | None = None,
+                cwd: str | Path | None = None,
+                log_dir: Path | None = None) -> list[subprocess.Popen]:
+    """Start ``world_size`` processes running ``argv``, rank r with ``rank_env(r, ...)`` over ``env`` (default this
+    process's), rendezvousing on ``port`` (default a free one); each rank's output goes to
+    ``log_dir/rank<r>.log`` when given, else to this process's. Stop them with ``kill_tree(proc.pid)``."""
+    port = free_port() if port is None else port
+    procs = []
+    for rank in range(world_size):
+        log = open(log_dir / f"rank{rank}.log", "wb") if log_dir is not None else None
+        try:
+            procs.append(
+                subprocess.Popen(list(argv),
+                                 env=rank_env(rank, world_size, port, cpu=cpu, base=env),
+                                 cwd=cwd,
+                                 stdout=log,
+                                 stderr=subprocess.STDOUT if log is not None else None,
+                                 stdin=subprocess.DEVNULL))
+        finally:
+            if log is not None:
+                log.close()  # the rank has its own handle
+    return procs
 
 
 def disable_cpu_shm_allreduce() -> None:

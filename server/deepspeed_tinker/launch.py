@@ -29,12 +29,6 @@ def cuda_device_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def rank_env(rank: int, world_size: int, master_port: int, cpu: bool = True) -> dict[str, str]:
-    env = ranks.rank_env(rank, world_size, master_port, cpu=cpu)
-    env.setdefault("HF_HUB_OFFLINE", "1")  # models come from local configs; never reach for a hub
-    return env
-
-
 def serve(world_size: int | None, rank_args: list[str], grace_s: float = 90.0, device: str = "auto") -> int:
     """Run ``world_size`` ranks until they exit; SIGTERM/SIGINT stop them through rank 0.
 
@@ -52,30 +46,29 @@ def serve(world_size: int | None, rank_args: list[str], grace_s: float = 90.0, d
         print(f"[tinker-server] {world_size} ranks but {gpus} GPUs: one rank per GPU (pass --device cpu for CPU "
               "ranks)", file=sys.stderr)
         return 2
-    master_port = free_port()
     command = [sys.executable, "-m", "deepspeed_tinker", "rank", *rank_args]
-    ranks = [subprocess.Popen(command, env=rank_env(r, world_size, master_port, cpu=not gpus))
-             for r in range(world_size)]
+    # Models come from local configs; never reach for a hub.
+    rank_procs = ranks.start_ranks(command, world_size, cpu=not gpus, env={"HF_HUB_OFFLINE": "1", **os.environ})
     stop_requested: list[float] = []
 
     def request_stop(*_: object) -> None:
         if not stop_requested:
             stop_requested.append(time.monotonic())
-            if ranks[0].poll() is None:
-                ranks[0].send_signal(signal.SIGTERM)
+            if rank_procs[0].poll() is None:
+                rank_procs[0].send_signal(signal.SIGTERM)
 
     signal.signal(signal.SIGTERM, request_stop)
     signal.signal(signal.SIGINT, request_stop)
     while True:
-        codes = [r.poll() for r in ranks]
+        codes = [r.poll() for r in rank_procs]
         if all(c is not None for c in codes):
             break
         failed = any(c not in (None, 0) for c in codes)
         overdue = stop_requested and time.monotonic() - stop_requested[0] > grace_s
         if failed or overdue:
-            for r in ranks:
+            for r in rank_procs:
                 if r.poll() is None:
-                    r.kill()
+                    ranks.kill_tree(r.pid)
         time.sleep(0.2)
     return next((c for c in codes if c), 0)
 
@@ -121,7 +114,7 @@ class ServerProcess:
         return self.base_url
 
     def stop(self, timeout_s: float = 120.0) -> int | None:
-        """SIGTERM the launcher (a clean stop); kill the whole process group if it hangs."""
+        """SIGTERM the launcher (a clean stop); kill it and its ranks if it hangs."""
         if self.process is None:
             return None
         if self.process.poll() is None:
@@ -129,12 +122,9 @@ class ServerProcess:
             try:
                 self.process.wait(timeout_s)
             except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        try:  # ranks left behind by a launcher that did not stop cleanly
-            os.killpg(self.process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+                pass
+        ranks.kill_tree(self.process.pid)  # and whatever ranks a launcher that did not stop cleanly left behind
+        self.process.wait()
         return self.process.returncode
 
     def __enter__(self) -> "ServerProcess":

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
+import os
 import sys
 from pathlib import Path
 
@@ -34,25 +34,17 @@ def qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def run_ranks(tmp_path: Path, zero_stage: int, dtype: str, model_dir: Path) -> list[dict]:
-    from ds_harness.ranks import free_port, rank_env
+    from ds_harness.ranks import kill_tree, start_ranks
 
-    port = free_port()
-    procs = []
-    for rank in range(WORLD):
-        env = rank_env(rank, WORLD, port, cpu=True)
-        env["HF_HUB_OFFLINE"] = "1"
-        log = open(tmp_path / f"rank{rank}.log", "w")
-        procs.append((subprocess.Popen([sys.executable, str(SCRIPT), str(tmp_path), str(zero_stage), dtype,
-                                        str(model_dir)], env=env, cwd=ROOT, stdout=log,
-                                       stderr=subprocess.STDOUT), log))
+    procs = start_ranks([sys.executable, str(SCRIPT), str(tmp_path), str(zero_stage), dtype, str(model_dir)], WORLD,
+                        cpu=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}, cwd=ROOT, log_dir=tmp_path)
     try:
-        codes = [p.wait(timeout=300) for p, _ in procs]
+        codes = [p.wait(timeout=300) for p in procs]
     finally:
-        for p, log in procs:
+        for p in procs:
             if p.poll() is None:
-                p.kill()
+                kill_tree(p.pid)
                 p.wait()
-            log.close()
     logs = "\n".join((tmp_path / f"rank{r}.log").read_text(errors="replace")[-3000:] for r in range(WORLD))
     assert codes == [0] * WORLD, f"ranks exited {codes}\n{logs}"
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]

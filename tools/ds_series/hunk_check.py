@@ -56,6 +56,8 @@ import tomllib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ds_series.procs import clean_shm, descendants, kill_tree, shm_files
+
 ROOT = Path(__file__).resolve().parents[2]
 WORK_ROOT = ROOT / "build" / "hunk-check"
 #: The tests CI's prefix runs leave out: they do not depend on the installed prefix (tooling), or are slow
@@ -277,30 +279,6 @@ def git(repo: Path, *args: str) -> str:
     return run([*GIT, *args], cwd=repo, env={**os.environ, **GIT_ENV})
 
 
-def _children() -> dict[int, list[int]]:
-    tree: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        ppid = int(stat[stat.rindex(")") + 2:].split()[1])
-        tree.setdefault(ppid, []).append(int(entry))
-    return tree
-
-
-def _descendants(pid: int) -> list[int]:
-    tree, found, todo = _children(), [], [pid]
-    while todo:
-        for child in tree.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
-
-
 def run_with_timeout(argv: list[str], cwd: Path, env: dict, timeout: float,
                      log_path: Path) -> tuple[int | None, float]:
     """Run a test command; on timeout interrupt it (pytest then shuts its rank pools down), then kill it and
@@ -326,18 +304,15 @@ def run_with_timeout(argv: list[str], cwd: Path, env: dict, timeout: float,
 
 def _stop(proc: subprocess.Popen, grace: float) -> None:
     """Interrupt a run, then kill it and every process it started (ranks run in sessions of their own)."""
-    family = _descendants(proc.pid)
+    family = descendants(proc.pid)
     proc.send_signal(signal.SIGINT)
     try:
         proc.wait(timeout=grace)
     except subprocess.TimeoutExpired:
         pass
-    family += _descendants(proc.pid)
+    family += descendants(proc.pid)
     for pid in [proc.pid, *family]:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        kill_tree(pid)
     proc.wait()
 
 
@@ -349,35 +324,6 @@ def _default_sigint() -> None:
 
 def _interrupt(signum, frame) -> None:  # noqa: ARG001
     raise KeyboardInterrupt(f"signal {signum}")
-
-
-def _mapped_shm_files() -> set[str]:
-    mapped = set()
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/maps") as f:
-                    mapped.update(l.split()[-1] for l in f if "/dev/shm/" in l)
-            except OSError:
-                pass
-    return mapped
-
-
-def clean_shm(before: set[Path]) -> None:
-    """Remove the CPU shared-memory all-reduce buffers that appeared during one of our runs and that no live
-    process maps any more (upstream's harness leaves them behind; ours disables the op)."""
-    shm = Path("/dev/shm")
-    new = {p for p in shm.glob("deepspeed_allreduce_buffer_*")} - before
-    if not new:
-        return
-    mapped = _mapped_shm_files()
-    for path in new:
-        if str(path) not in mapped:
-            path.unlink(missing_ok=True)
-
-
-def shm_files() -> set[Path]:
-    return set(Path("/dev/shm").glob("deepspeed_allreduce_buffer_*"))
 
 
 # --------------------------------------------------------------------------------------------

@@ -61,6 +61,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ds_series import stack
+from ds_series.procs import clean_shm, kill_tree, shm_files
 
 ROOT = stack.ROOT
 
@@ -130,9 +131,6 @@ NOT_RUN = "not run"
 HARNESS_TIMEOUT_MARGIN = 30
 #: The most sessions one side may take (one more after each hang); a guard against a loop.
 MAX_SESSIONS = 60
-#: DeepSpeed's CPU shared-memory all-reduce leaves one of these per rank and port (see NOTES.md); killed rank pools
-#: leave their multiprocessing semaphores.
-SHM_GLOBS = ("deepspeed_allreduce_buffer_*", "sem.mp-*")
 #: The ops DeepSpeed's CPU accelerator JIT-builds (op_builder/cpu), built once per install before any test runs:
 #: built by the first test that needs one, minutes of compiling land in that test's timeout on two cores (and a
 #: killed build starts again in the next). FusedAdam is what the CPU accelerator uses for the "Adam" optimizer type.
@@ -393,37 +391,6 @@ def select_paths(tests: Path, scope: tuple[str, ...], patterns: tuple[str, ...],
     return unique
 
 
-def _shm_files() -> set[str]:
-    shm = Path("/dev/shm")
-    return {p.name for pattern in SHM_GLOBS for p in shm.glob(pattern)} if shm.is_dir() else set()
-
-
-def _mapped_shm_files() -> set[str]:
-    """Names of /dev/shm buffers some live process still maps."""
-    mapped = set()
-    for maps in Path("/proc").glob("[0-9]*/maps"):
-        try:
-            for line in maps.read_text(errors="replace").splitlines():
-                if "/dev/shm/" in line:
-                    mapped.add(line.rsplit("/", 1)[-1].split()[0])
-        except OSError:
-            continue
-    return mapped
-
-
-def clean_shm(before: set[str]) -> int:
-    """Remove the shared-memory all-reduce buffers and semaphores this run's ranks left (new since ``before``,
-    mapped by no live process): each buffer is 64 MiB of /dev/shm, and killed ranks never unlink theirs."""
-    removed = 0
-    for name in sorted(_shm_files() - before - _mapped_shm_files()):
-        try:
-            (Path("/dev/shm") / name).unlink()
-            removed += 1
-        except OSError:
-            pass
-    return removed
-
-
 def clear_stale_locks(env: dict[str, str]) -> None:
     """A JIT build killed with its session leaves ``<op>/lock`` behind, and every later load waits on it forever."""
     folder = Path(env["TORCH_EXTENSIONS_DIR"])
@@ -435,19 +402,7 @@ def clear_stale_locks(env: dict[str, str]) -> None:
 def _kill_session(proc: subprocess.Popen) -> None:
     """Kill every process of the session's Unix session, not only its process group: ninja starts each compile of
     a JIT build in a process group of its own, and those would outlive the kill."""
-    members = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[3]) == proc.pid:  # fields after the name: state, ppid, pgrp, session
-            members.append(int(stat.parent.name))
-    for pid in members:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    kill_tree(proc.pid)
     proc.wait()
 
 
@@ -475,7 +430,7 @@ def run_side(python: Path, side_dir: Path, paths: list[str], env: dict[str, str]
         argv = [str(python), "-m", "pytest", "-p", "no:cacheprovider", "-p", PLUGIN,
                 f"--basetemp={side_dir / 'tmp'}", f"--upstream-tests-done={done_file}", "--continue-on-collection-errors",
                 "-q", "-rN", *((f"--upstream-tests-only={only_file}", ) if only else options), *paths]
-        shm_before = _shm_files()
+        shm_before = shm_files()
         out_path = side_dir / f"pytest{tag}-{session}.log"
         with out_path.open("w") as out:
             proc = subprocess.Popen(argv, cwd=side_dir / "tests", env={**env, PLUGIN_LOG_ENV:

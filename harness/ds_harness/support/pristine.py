@@ -118,7 +118,7 @@ def reference_results(world_size: int,
 
 def _compute(base, world_size: int, prs: list, table: str) -> dict[str, list[dict[str, Any]]]:
     """``table`` run by W fresh ranks on the sdist plus ``prs``."""
-    from ds_harness import launch
+    from ds_harness import launch, ranks
 
     # A stable tree path. DeepSpeed's JIT-built ops (CPU Adam, async I/O) are keyed by their source and include
     # paths: built from the tree into the installed DeepSpeed's extension folder, they would rebuild each side's in
@@ -128,45 +128,37 @@ def _compute(base, world_size: int, prs: list, table: str) -> dict[str, list[dic
     backend = launch.backend()
     installed_ops = _installed_ops_with_the_same_sources(tree)
 
-    def env_of(rank: int, port: int | None) -> dict[str, str]:
-        env = launch.rank_env(rank, world_size, port, backend)
-        if installed_ops is not None:
-            env["PYTHONPATH"] = os.pathsep.join([str(installed_ops), str(tree)])
-        else:
-            env["PYTHONPATH"] = str(tree)
-            env["TORCH_EXTENSIONS_DIR"] = str(tree.parent / "torch_extensions")
-        return env
+    tree_env = dict(os.environ)  # the tree's DeepSpeed, imported from its folder; our packages from the virtualenv
+    if installed_ops is not None:
+        tree_env["PYTHONPATH"] = os.pathsep.join([str(installed_ops), str(tree)])
+    else:
+        tree_env["PYTHONPATH"] = str(tree)
+        tree_env["TORCH_EXTENSIONS_DIR"] = str(tree.parent / "torch_extensions")
+    cpu = backend != "nccl"
 
     # The tree's JIT ops are built here, in one process, not by the ranks inside the cases that first need them.
     subprocess.run([sys.executable, "-m", "ds_series.build_ops"],
-                   env=env_of(0, None),
+                   env=ranks.rank_env(0, world_size, None, cpu=cpu, base=tree_env),
                    cwd=tempfile.gettempdir(),
                    check=True,
                    timeout=TIMEOUT)
     with tempfile.TemporaryDirectory(prefix="ds-reference-") as tmp:
-        port = launch.free_port()
-        procs = []
-        for rank in range(world_size):
-            env = env_of(rank, port)
-            log = open(Path(tmp) / f"rank{rank}.log", "wb")
-            procs.append((subprocess.Popen([sys.executable, "-m", "ds_harness.support.pristine", tmp,
-                                            str(tree), backend, table],
-                                           env=env,
-                                           cwd=tmp,
-                                           stdout=log,
-                                           stderr=subprocess.STDOUT,
-                                           stdin=subprocess.DEVNULL), log))
+        procs = ranks.start_ranks([sys.executable, "-m", "ds_harness.support.pristine", tmp, str(tree), backend, table],
+                                  world_size,
+                                  cpu=cpu,
+                                  env=tree_env,
+                                  cwd=tmp,
+                                  log_dir=Path(tmp))
         failed = []
         try:
-            for rank, (proc, log) in enumerate(procs):
+            for rank, proc in enumerate(procs):
                 if proc.wait(timeout=TIMEOUT) != 0:
                     failed.append(rank)
         except subprocess.TimeoutExpired:
             failed = list(range(world_size))
         finally:
-            for proc, log in procs:
-                proc.kill()
-                log.close()
+            for proc in procs:
+                ranks.kill_tree(proc.pid)
         if failed:
             tails = "\n".join(f"--- rank {r} ---\n" + (Path(tmp) / f"rank{r}.log").read_text(errors="replace")[-4000:]
                               for r in failed)
