@@ -4,7 +4,7 @@
 
 One process, no ranks: what a rank runs for ``asample`` requests (generation, then the scoring forward that gives
 the logprobs), on the same model, weights, request mix and seeds, through the sampler that was (one request at a
-time; ``sampler.generate_reference``: every sample decodes until all are done, one seeded draw at a time, the whole
+time; ``generate_reference``, the test oracle in tests/tinker_server/sampling_reference.py: every sample decodes until all are done, one seeded draw at a time, the whole
 completion re-decoded for stop strings at every token) and the one that is (``SamplerPool.sample_many``: requests
 that arrive together in batches of up to 32 requests, ``sampler.generate_batch``). Both give the same tokens and
 logprobs (checked here on every request, and by tests/tinker_server/test_sampler_batching.py). Repetitions alternate
@@ -24,7 +24,8 @@ import statistics
 import time
 from pathlib import Path
 
-
+#: The old sampler, kept as the tests' oracle beside them (not part of the server).
+REFERENCE = Path(__file__).resolve().parents[2] / "tests" / "tinker_server" / "sampling_reference.py"
 
 LORA = {"rank": 32, "seed": 0, "train_attn": True, "train_mlp": True, "train_unembed": True}
 
@@ -54,7 +55,14 @@ def run(reps: int, threads: int, batch: int) -> dict:
     import torch
 
     from deepspeed_tinker.model import LoraSpec, build_model
-    from deepspeed_tinker.sampler import SamplerPool, generate_reference, score
+    import importlib.util
+
+    from deepspeed_tinker.sampler import SamplerPool, score
+
+    spec = importlib.util.spec_from_file_location("sampling_reference", REFERENCE)
+    reference = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(reference)
+    generate_reference = reference.generate_reference
 
     torch.set_num_threads(threads)
     pool = SamplerPool(torch.device("cpu"))

@@ -30,6 +30,6 @@ if [[ "$DEMO" != demo ]] && ! "$PY" -c "import tinker_cookbook.rl.train" >/dev/n
 fi
 if ! "$PY" -c "import deepspeed_tinker" >/dev/null 2>&1; then
     echo "[demo] installing the server (pip install --no-deps -e tools -e harness -e server) into $("$PY" -c 'import sys; print(sys.prefix)')"
-    "$PY" -m pip install --quiet --no-deps --no-build-isolation -e tools -e harness -e server
+    "$PY" -m pip install --quiet --no-deps -e tools -e harness -e server
 fi
 exec "$PY" -m deepspeed_tinker "$DEMO" "$@"

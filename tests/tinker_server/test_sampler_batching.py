@@ -1,4 +1,5 @@
-"""The batched sampler (``sampler.generate``) against the sampler it replaced (``sampler.generate_reference``),
+"""The batched sampler (``sampler.generate``) against the sampler it replaced (``generate_reference``, the
+oracle beside these tests in sampling_reference.py),
 in process, no ranks: on fixed seeds they give the same tokens, stop reasons and logprobs (bit for bit: the logprobs
 come from the same scoring forward as before; the tokens from the same draws on logits that may differ in the last
 bits, see ``sampler.generate``, which changes no token here), over temperatures,
@@ -16,8 +17,9 @@ require("transformers")
 require("peft")
 
 from deepspeed_tinker.model import LoraSpec, build_model, register_local_model  # noqa: E402
-from deepspeed_tinker.sampler import StopStrings, generate, generate_reference, score, _decoder  # noqa: E402
+from deepspeed_tinker.sampler import StopStrings, generate, score, _decoder  # noqa: E402
 from deepspeed_tinker.sampling import SampleJob, SnapshotRef  # noqa: E402
+from sampling_reference import generate_reference  # noqa: E402
 
 pytestmark = pytest.mark.pr("zero-0-1")
 
