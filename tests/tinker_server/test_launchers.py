@@ -25,6 +25,7 @@ tinker = require("tinker")
 from tinker import types  # noqa: E402
 
 from deepspeed_tinker.launch import free_port  # noqa: E402
+from ds_harness.ranks import kill_tree  # noqa: E402
 from tinker_sdk_helpers import API_KEY, RESULT_TIMEOUT_S, START_TIMEOUT_S, adam, random_data, to_sdk  # noqa: E402
 
 pytestmark = pytest.mark.pr("zero-0-1")
@@ -78,5 +79,5 @@ def test_a_standard_launcher_runs_the_server_and_rank_0_serves(tmp_path: Path, l
         assert "[tinker-server] stopped" in log.read_text()
     finally:
         if launcher.poll() is None:
-            os.killpg(launcher.pid, signal.SIGKILL)
+            kill_tree(launcher.pid)
             launcher.wait()

@@ -22,7 +22,10 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ds_series.stack import Base
 
 #: This folder and the harness package above it: their sources define the runs (part of the cache key).
 SUPPORT = Path(__file__).resolve().parent
@@ -35,13 +38,13 @@ DEFAULT_TABLE = "default"
 TIMEOUT = float(os.environ.get("DS_SERIES_REFERENCE_TIMEOUT", "1800"))
 
 
-def tested_base():
+def tested_base() -> Base:
     """The base under test (``ds_series.stack.installed_base``, as tests/conftest.py finds it)."""
     from ds_series import stack
     return stack.installed_base()
 
 
-def bug_fix_prefix(base) -> list:
+def bug_fix_prefix(base: Base) -> list:
     """The series' leading bug-fix PRs: the reference tree applies these and nothing else."""
     prefix = []
     for patch in base.series():
@@ -75,7 +78,7 @@ def machine_fingerprint() -> dict[str, str]:
     }
 
 
-def series_prefix(base, upto: int | None = None) -> list:
+def series_prefix(base: Base, upto: int | None = None) -> list:
     """The PRs a reference tree applies: the series' first ``upto`` (None: the leading bug-fix PRs)."""
     if upto is None:
         return bug_fix_prefix(base)
@@ -83,7 +86,7 @@ def series_prefix(base, upto: int | None = None) -> list:
     return stack.select(base.series(), upto)
 
 
-def cache_key(base, world_size: int, upto: int | None = None, table: str = DEFAULT_TABLE) -> str:
+def cache_key(base: Base, world_size: int, upto: int | None = None, table: str = DEFAULT_TABLE) -> str:
     """The cached results' name: everything that can change what ``table`` computes on the tree of ``upto``."""
     h = hashlib.sha256()
     h.update(json.dumps(machine_fingerprint(), sort_keys=True).encode())
@@ -98,7 +101,7 @@ def cache_key(base, world_size: int, upto: int | None = None, table: str = DEFAU
 def reference_results(world_size: int,
                       upto: int | None = None,
                       table: str = DEFAULT_TABLE,
-                      base=None) -> dict[str, list[dict[str, Any]]]:
+                      base: Base | None = None) -> dict[str, list[dict[str, Any]]]:
     """Every result of ``reference_run.TABLES[table]`` per rank on the sdist plus the series' first ``upto`` PRs
     (None: the bug-fix PRs only; 0: pristine) of ``base`` (default: the tested one), from the cache or computed
     now."""
@@ -116,7 +119,7 @@ def reference_results(world_size: int,
     return results
 
 
-def _compute(base, world_size: int, prs: list, table: str) -> dict[str, list[dict[str, Any]]]:
+def _compute(base: Base, world_size: int, prs: list, table: str) -> dict[str, list[dict[str, Any]]]:
     """``table`` run by W fresh ranks on the sdist plus ``prs``."""
     from ds_harness import launch, ranks
 
@@ -213,7 +216,7 @@ def _installed_ops_with_the_same_sources(tree: Path) -> Path | None:
     return ops
 
 
-def _reference_tree(base, prs: list) -> Path:
+def _reference_tree(base: Base, prs: list) -> Path:
     """The sdist plus ``prs`` (the series' first ones) of ``base``, materialized once under the cache (a plain tree,
     no git metadata)."""
     from ds_series import stack
