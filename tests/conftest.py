@@ -1,58 +1,32 @@
 """pytest wiring for the series' tests: PR markers and ``--upto``, world sizes, rank timeouts.
 
-See CONTRIBUTING.md, "Tests". The rank machinery itself lives in tests/harness/.
+See CONTRIBUTING.md, "Tests". The rank machinery itself is the installed ds_harness package (harness/).
 """
 
 from __future__ import annotations
 
 import importlib.metadata
 import os
-import sys
 from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
 
-# importlib import mode does not put this directory on sys.path; test files import `harness`.
-_HERE = str(Path(__file__).resolve().parent)
-if _HERE not in sys.path:
-    sys.path.insert(0, _HERE)
-
-from harness import SETTINGS, Dist, shutdown_pools  # noqa: E402
-
-_ROOT = str(Path(__file__).resolve().parent.parent)
-if _ROOT not in sys.path:
-    sys.path.append(_ROOT)
-
-from tools import stack  # noqa: E402
+from ds_harness import SETTINGS, Dist, shutdown_pools
+from ds_series import stack
 
 #: Bug-fix PRs are named ``fix-...`` and lead their series: the prefix they form is the base plus bug fixes only.
 FIX_PREFIX = "fix-"
 DEFAULT_WORLD_SIZE = 2
 
 
-def _installed_deepspeed() -> str | None:
-    try:
-        return importlib.metadata.version("deepspeed")
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-def _tested_base() -> str:
-    """The upstream release under test: the installed DeepSpeed's, if the project has a series for it (env
-    DS_SERIES_BASE otherwise, then the default base)."""
-    installed = (_installed_deepspeed() or "").split("+")[0]
-    if installed in stack.available_bases():
-        return installed
-    return os.environ.get(stack.BASE_ENV) or stack.DEFAULT_BASE
-
-
-#: The tested base and its series index (env DS_SERIES_FILE names another index, for the harness's own tests).
-BASE = stack.use_base(_tested_base())
-SERIES_FILE = Path(os.environ.get("DS_SERIES_FILE") or stack.SERIES_FILE)
+#: The tested base: the installed DeepSpeed's, if the project has a series for it (env DS_SERIES_BASE otherwise, then
+#: the default base); and its series index (env DS_SERIES_FILE names another index, for the harness's own tests).
+BASE = stack.installed_base()
+SERIES_FILE = Path(os.environ.get("DS_SERIES_FILE") or BASE.series_file)
 #: Versions of a DeepSpeed of this base without any PR of its series (``stack.py install --upto 0`` gives the
 #: second).
-PRISTINE_VERSIONS = (BASE.version, stack.version_for(0))
+PRISTINE_VERSIONS = (BASE.version, stack.version_for(BASE, 0))
 
 
 def read_series(series_file: Path = SERIES_FILE) -> list[str]:
@@ -65,7 +39,7 @@ MAX_PR = len(SERIES)
 PR_INDEX = {name: index for index, name in enumerate(SERIES, start=1)}
 FIX_PRS = [name for name in SERIES if name.startswith(FIX_PREFIX)]
 #: Short names of every base's series: a test may name PRs of several (the same promise, made by each).
-KNOWN_PRS = set(SERIES).union(*(read_series(stack.load_base(v).folder / "series") for v in stack.available_bases()))
+KNOWN_PRS = set(SERIES).union(*(read_series(stack.load_base(v).series_file) for v in stack.available_bases()))
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -90,7 +64,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     choices=("all", "core"),
                     default=os.environ.get("DS_SERIES_PATHS", "all"),
                     help="engine configurations of the tests parametrised by path_name: all (default) or core, one "
-                    "or two per ZeRO stage, precision and offload mode (support.paths.CORE_PATHS); env DS_SERIES_PATHS")
+                    "or two per ZeRO stage, precision and offload mode (ds_harness.support.paths.CORE_PATHS); env DS_SERIES_PATHS")
     group.addoption("--rank-timeout",
                     type=float,
                     default=None,
@@ -191,7 +165,7 @@ def _check_pristine() -> None:
         version = "not installed"
     if version not in PRISTINE_VERSIONS:
         raise pytest.UsageError(f"--regressions-on-pristine needs DeepSpeed without the series "
-                                f"({' or '.join(PRISTINE_VERSIONS)}; `python tools/stack.py install --upto 0`), "
+                                f"({' or '.join(PRISTINE_VERSIONS)}; `ds-series-stack install --upto 0`), "
                                 f"found deepspeed {version}")
 
 
@@ -213,7 +187,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         _check_pristine()
     core_paths = None
     if config.getoption("paths") == "core":
-        from support.paths import CORE_PATHS as core_paths
+        from ds_harness.support.paths import CORE_PATHS as core_paths
     keep, drop = [], []
     for item in items:
         callspec = getattr(item, "callspec", None)

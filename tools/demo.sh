@@ -13,7 +13,7 @@ source "$(dirname "${BASH_SOURCE[0]}")/test.sh"
 # RL loop (sampling, importance_sampling, a varying number of forward_backward calls per step), printing the
 # reward per step. `sft`: the official tinker SDK's SFT loop with a varying number of forward_backward calls
 # per step. The simpler RPC-style loop of `zero-0-1` is `python examples/rpc_training_loop.py`.
-DEMO=(bash examples/tinker_server/run_demo.sh)
+DEMO=(bash examples/tinker/run_demo.sh)
 
 ds_series_setup
 cd "$DS_SERIES_ROOT"

@@ -6,10 +6,11 @@
 #   DS_SERIES_BASE=0.19.8 bash tools/test.sh   # the same for DeepSpeed 0.19.8 + its follow-up series
 #
 # Creates (or reuses) the virtualenv $DS_SERIES_VENV (default .venv), installs into it torch 2.13.0,
-# the pinned requirements and this project the README's way (`pip install .`: DeepSpeed 0.19.3 with
-# the whole patch series), then runs `python -m pytest` over tests/. A later run skips the installs
+# the pinned requirements, this project the README's way (`pip install .`: DeepSpeed 0.19.3 with
+# the whole patch series) and our own packages, editable (DS_SERIES_PACKAGES: the tooling ds_series, the
+# test harness ds_harness, the benchmarks ds_bench, the Tinker server deepspeed_tinker), then runs `python -m pytest` over tests/. A later run skips the installs
 # unless a requirements file, the patches or the build tooling changed, or the installed DeepSpeed is
-# not the full series (e.g. after `tools/stack.py install --upto K`).
+# not the full series (e.g. after `ds-series-stack install --upto K`).
 #
 # tools/demo.sh sources this file for ds_series_setup.
 set -euo pipefail
@@ -29,6 +30,9 @@ DS_SERIES_PY="$DS_SERIES_VENV/bin/python"
 export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$DS_SERIES_VENV/torch_extensions}"
 # Installed after torch. The Tinker-server tests need the SDK and the server's dependencies.
 DS_SERIES_REQUIREMENTS=(requirements/runtime.txt requirements/dev.txt requirements/tinker-server.txt)
+# Our own Python packages (each folder has its pyproject.toml), installed editable with --no-deps: the pins above
+# are their dependencies.
+DS_SERIES_PACKAGES=(tools harness benchmarks server)
 
 _ds_series_log() { echo "[tools/test.sh] $*" >&2; }
 
@@ -38,8 +42,9 @@ _ds_series_inputs_digest() {
         cd "$DS_SERIES_ROOT"
         local f
         # The series' own files (not a README beside them): what `pip install .` builds from.
-        for f in "${DS_SERIES_REQUIREMENTS[@]}" requirements/*.txt pyproject.toml tools/build_backend.py \
-            tools/stack.py patches/*/base.toml patches/*/series patches/*/*.patch; do
+        for f in "${DS_SERIES_REQUIREMENTS[@]}" requirements/*.txt pyproject.toml tools/ds_series/build_backend.py \
+            tools/ds_series/stack.py patches/*/base.toml patches/*/series patches/*/*.patch \
+            "${DS_SERIES_PACKAGES[@]/%//pyproject.toml}"; do
             [[ -f "$f" ]] && printf '%s\n' "$f" && cat "$f"
         done
         echo "base $DS_SERIES_BASE"
@@ -48,7 +53,8 @@ _ds_series_inputs_digest() {
 }
 
 _ds_series_expected_version() {
-    python3 "$DS_SERIES_ROOT/tools/stack.py" --base "$DS_SERIES_BASE" version
+    # Run as a script: the stack tool needs only the standard library (nothing is installed yet).
+    python3 "$DS_SERIES_ROOT/tools/ds_series/stack.py" --base "$DS_SERIES_BASE" version
 }
 
 _ds_series_installed_version() {
@@ -56,10 +62,24 @@ _ds_series_installed_version() {
 }
 
 # DeepSpeed JIT-builds its CPU ops on first use; building them here, once per install, keeps minutes of
-# compiling out of the tests' timeouts (see tools/build_ops.py).
+# compiling out of the tests' timeouts (see tools/ds_series/build_ops.py).
 _ds_series_build_ops() {
     _ds_series_log "building DeepSpeed's CPU ops (CPU Adam, shared-memory comm; async I/O where libaio exists)"
-    (cd /tmp && "$DS_SERIES_PY" "$DS_SERIES_ROOT/tools/build_ops.py")
+    (cd /tmp && "$DS_SERIES_PY" -m ds_series.build_ops)
+}
+
+# Our packages, editable from this checkout (setuptools is pinned in requirements/runtime.txt: no isolated build).
+_ds_series_install_packages() {
+    local editable=() p
+    for p in "${DS_SERIES_PACKAGES[@]}"; do editable+=(-e "$DS_SERIES_ROOT/$p"); done
+    _ds_series_log "installing our packages, editable: ${DS_SERIES_PACKAGES[*]}"
+    "$DS_SERIES_PY" -m pip --disable-pip-version-check install --quiet --no-deps --no-build-isolation "${editable[@]}"
+}
+
+# Whether our packages are installed editable from this checkout (a virtualenv made from another clone is not).
+_ds_series_packages_here() {
+    (cd /tmp && "$DS_SERIES_PY" -c 'import sys, ds_series.stack as s; sys.exit(str(s.ROOT) != sys.argv[1])' \
+        "$DS_SERIES_ROOT") 2>/dev/null
 }
 
 ds_series_setup() {
@@ -71,6 +91,7 @@ ds_series_setup() {
     digest=$(_ds_series_inputs_digest)
     expected=$(_ds_series_expected_version)
     if [[ -f "$stamp" && "$(cat "$stamp")" == "$digest" && "$(_ds_series_installed_version)" == "$expected" ]]; then
+        _ds_series_packages_here || _ds_series_install_packages
         _ds_series_log "environment up to date (deepspeed $expected)"
         return 0
     fi
@@ -89,6 +110,7 @@ ds_series_setup() {
     "${pip[@]}" --no-deps -r "$DS_SERIES_ROOT/requirements/tinker-cookbook.txt"
     _ds_series_log "installing this project: DS_SERIES_BASE=$DS_SERIES_BASE pip install . (DeepSpeed $DS_SERIES_BASE + its series)"
     (cd "$DS_SERIES_ROOT" && "${pip[@]}" --force-reinstall --no-deps .)
+    _ds_series_install_packages
     local got
     got=$(_ds_series_installed_version)
     if [[ "$got" != "$expected" ]]; then

@@ -2,7 +2,7 @@
 
 * Direct calls through ``deepspeed.comm``, however the op was imported: exact calls and bytes per op;
   paused calls are not counted; uninstalling restores the backend.
-* The benchmark's own trial (:func:`benchmarks.trial.run_trial`) on a tiny ZeRO-0 model, N = 2:
+* The benchmark's own trial (:func:`ds_bench.trial.run_trial`) on a tiny ZeRO-0 model, N = 2:
   each logical step is exactly one all_reduce of all gradients (4 bytes per fp32 parameter, one
   bucket) plus one all_reduce of the 4-byte gradient norm (gradient clipping), and in unmanaged mode
   one small all_reduce of the step's per-rank checks; the non-boundary micro-step sends nothing.
@@ -11,15 +11,10 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import pytest
 
-# The ranks import `benchmarks` from the repository root (tests/conftest.py puts tests/ on the path).
-_ROOT = str(Path(__file__).resolve().parents[2])
-if _ROOT not in sys.path:
-    sys.path.insert(0, _ROOT)
+# The ranks import the installed `ds_bench` package.
 
 pytestmark = [
     pytest.mark.pr("zero-0-1"),
@@ -34,7 +29,7 @@ def direct_calls_body():
     from deepspeed import comm as dist
     import deepspeed.comm.comm as ds_comm
     from deepspeed.comm import all_to_all_single  # imported by name, as ZeRO's coalesced collectives do
-    from benchmarks.comm_counter import CommCounter
+    from ds_bench.comm_counter import CommCounter
 
     world = dist.get_world_size()
     with CommCounter() as counter:
@@ -56,8 +51,8 @@ def direct_calls_body():
 
 
 def trial_body(mode: str):
-    from benchmarks.model import TINY
-    from benchmarks.trial import run_trial_safely
+    from ds_bench.model import TINY
+    from ds_bench.trial import run_trial_safely
 
     spec = {
         "device": "cpu",
@@ -79,9 +74,9 @@ def trial_body(mode: str):
 def comms_logger_body(stage: int):
     import deepspeed
     from deepspeed import comm as dist
-    from benchmarks import configs
-    from benchmarks.comm_counter import CommCounter
-    from benchmarks.model import TINY, build_model, micro_batches
+    from ds_bench import configs
+    from ds_bench.comm_counter import CommCounter
+    from ds_bench.model import TINY, build_model, micro_batches
 
     configuration = next(c for c in configs.CONFIGURATIONS if c.stage == stage and c.offload == "none")
     config = configs.ds_config(configuration,
@@ -149,7 +144,7 @@ def test_direct_calls_are_counted_exactly(dist):
 @pytest.mark.world_size(1, 2)
 @pytest.mark.parametrize("mode", ["managed", "toggle", "unmanaged"])
 def test_zero0_trial_counts_one_gradient_allreduce_per_step(dist, mode):
-    from benchmarks import report
+    from ds_bench import report
 
     results = dist.run(trial_body, mode)
     for result in results:
@@ -180,7 +175,7 @@ def test_counter_agrees_with_deepspeed_comms_logger(dist, stage):
 
 def test_report_allows_unmanaged_mode_only_the_step_check():
     """The benchmark's collectives target: (b) may add step()'s one all-reduce of at most 80 bytes, nothing else."""
-    from benchmarks import report
+    from ds_bench import report
 
     managed = {"all_reduce": {"calls": 2, "bytes": 1000}, "all_gather": {"calls": 4, "bytes": 800}}
 
@@ -206,7 +201,7 @@ def test_payload_positions_match_the_backends_signatures() -> None:
 
     from deepspeed.comm.torch import TorchBackend
 
-    from benchmarks.comm_counter import PAYLOAD_ARGUMENT, PAYLOAD_POSITION
+    from ds_bench.comm_counter import PAYLOAD_ARGUMENT, PAYLOAD_POSITION
 
     checked = 0
     for name, payload in PAYLOAD_ARGUMENT.items():
@@ -230,7 +225,7 @@ def test_a_payload_hidden_by_a_decorator_is_found_by_position() -> None:
 
     import torch
 
-    from benchmarks.comm_counter import _payload
+    from ds_bench.comm_counter import _payload
 
     def hidden(*args, **kwargs):
         pass

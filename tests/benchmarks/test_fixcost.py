@@ -1,4 +1,4 @@
-"""The tooling of ``python -m benchmarks fixcost`` (no DeepSpeed, no timing asserted).
+"""The tooling of ``python -m ds_bench fixcost`` (no DeepSpeed, no timing asserted).
 
 * The lockstep: trials in other processes take their steps one at a time, in the order the launcher gives, and a
   trial that leaves ends the lockstep with an error instead of a hang.
@@ -11,21 +11,16 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
-_ROOT = str(Path(__file__).resolve().parents[2])
-if _ROOT not in sys.path:
-    sys.path.insert(0, _ROOT)
 
-from benchmarks import fixcost, fixcost_report  # noqa: E402
-from benchmarks.comm_counter import subtract  # noqa: E402
-from benchmarks.lockstep import Conductor, LockstepError, Turns  # noqa: E402
-from benchmarks.method_timer import MethodTimer  # noqa: E402
+from ds_bench import fixcost, fixcost_report
+from ds_bench.comm_counter import subtract
+from ds_bench.lockstep import Conductor, LockstepError, Turns
+from ds_bench.method_timer import MethodTimer
 
 
 # -- lockstep -------------------------------------------------------------------------------------------------
@@ -205,7 +200,7 @@ def _record():
         },
     }
     return {
-        "command": "python -m benchmarks fixcost",
+        "command": "python -m ds_bench fixcost",
         "finished": "2026-12-03T00:00:00+00:00",
         "quick": False,
         "machine": {

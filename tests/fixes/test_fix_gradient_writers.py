@@ -13,7 +13,7 @@ fix-zero3-stale-grad-partitions, the others to fix-zero-offload-stale-grads.
 
 import pytest
 
-from support.paths import Path, make_two_head_model
+from ds_harness.support.paths import Path, make_two_head_model
 
 pytestmark = [pytest.mark.pr("fix-zero-offload-stale-grads"), pytest.mark.passes_on_pristine]
 
@@ -56,7 +56,7 @@ def _set_gradient_drives_the_update(path_name: str) -> None:
     """Step 0 uses head a only: head b gets no gradient from backward, then its gradient is set before step()."""
     import torch
     from deepspeed.utils import safe_get_full_fp32_param, safe_set_full_grad
-    from support.training import destroy, forward_loss
+    from ds_harness.support.training import destroy, forward_loss
 
     engine = PATHS[path_name].initialize(gas=1, managed=None)
     unused = dict(engine.module.head_b.named_parameters())
@@ -97,7 +97,7 @@ def _set_gradient_replaces_the_backward_one(path_name: str) -> None:
     copies the host accumulation over the value set."""
     import torch
     from deepspeed.utils import safe_get_full_fp32_param, safe_set_full_grad
-    from support.training import destroy, forward_loss
+    from ds_harness.support.training import destroy, forward_loss
 
     # Two micro-batches: with one, the boundary backward copies straight into the fp32 partition and keeps
     # nothing in the host accumulation buffers

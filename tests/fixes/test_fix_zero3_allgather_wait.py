@@ -9,7 +9,7 @@ returns.
 
 import pytest
 
-from support.paths import CLIP, Path
+from ds_harness.support.paths import CLIP, Path
 
 pytestmark = pytest.mark.pr("fix-zero3-allgather-wait")
 
@@ -21,7 +21,7 @@ PERSISTENT = Path(3, "fp32", {**CLIP, "zero_optimization": {"stage3_allgather_se
 def _every_gather_handle_is_waited_on() -> None:
     import deepspeed.comm as ds_comm
     from deepspeed.runtime.zero.partition_parameters import Init
-    from support.training import destroy, forward_loss
+    from ds_harness.support.training import destroy, forward_loss
 
     engine = PERSISTENT.initialize(gas=1, managed=None)
     assert len(engine.optimizer.persistent_parameters) > 1

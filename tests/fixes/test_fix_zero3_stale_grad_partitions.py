@@ -13,7 +13,7 @@ every parameter it holds).
 
 import pytest
 
-from support.paths import CLIP, Path, make_branchy_model
+from ds_harness.support.paths import CLIP, Path, make_branchy_model
 
 pytestmark = pytest.mark.pr("fix-zero3-stale-grad-partitions")
 
@@ -39,8 +39,8 @@ PATHS = {
 
 def _matches_pytorch(path_name: str, n: int) -> None:
     import deepspeed.comm as ds_comm
-    from support import pytorch_reference
-    from support.training import assert_params_close, destroy, run_managed, snapshot
+    from ds_harness.support import pytorch_reference
+    from ds_harness.support.training import assert_params_close, destroy, run_managed, snapshot
 
     engine = PATHS[path_name].initialize(gas=n, managed=None)
     run_managed(engine, [n] * STEPS)
@@ -69,8 +69,8 @@ def _overflow_leaves_no_stale_partition(path_name: str) -> None:
     partition, so step 1 (and every later step that does not use head b) overflows again and is skipped too."""
     import dataclasses
 
-    from support.paths import PATHS as ALL_PATHS, make_two_head_model
-    from support.training import assert_identical, destroy, forward_loss, snapshot
+    from ds_harness.support.paths import PATHS as ALL_PATHS, make_two_head_model
+    from ds_harness.support.training import assert_identical, destroy, forward_loss, snapshot
 
     path = dataclasses.replace(ALL_PATHS[path_name], model_fn=make_two_head_model)
     results = []

@@ -9,7 +9,7 @@ the last step that had one. The same engine without offload is the reference.
 
 import pytest
 
-from support.paths import PATHS
+from ds_harness.support.paths import PATHS
 
 pytestmark = pytest.mark.pr("fix-zero-offload-stale-grads")
 
@@ -19,7 +19,7 @@ def _offload_matches_no_offload(stage: int, n: int) -> None:
     some steps not in the last one. The offload path computes the global norm from per-parameter fp64
     norms, the non-offload path from the fp32 flat partition, so the clip coefficient may differ in the
     last bits: 1e-6 relative; a stale gradient is off by ~1e-2."""
-    from support.training import assert_params_close, destroy, run_managed, snapshot
+    from ds_harness.support.training import assert_params_close, destroy, run_managed, snapshot
 
     results = []
     for offload in (True, False):

@@ -3,8 +3,8 @@
 Each ``fix-*`` PR promises that such a parameter takes exactly the path it took in 0.19.3: the same copies and
 additions in the same order. The default-behaviour check (``tests/unmanaged/test_default_unchanged.py``) cannot
 see whether that holds: its reference already carries the fixes. Here the reference is pristine 0.19.3, the
-pinned sdist with no PR of the series (``support.pristine`` with ``upto=0``), computed on this machine, and the
-cases (``support.reference_run.EVERY_GRADIENT_CASES``) are managed-mode runs in which every parameter gets a
+pinned sdist with no PR of the series (``ds_harness.support.pristine`` with ``upto=0``), computed on this machine, and the
+cases (``ds_harness.support.reference_run.EVERY_GRADIENT_CASES``) are managed-mode runs in which every parameter gets a
 gradient in every micro-batch: ZeRO 0-3 in fp32, bf16 and fp16, clipping on and off, GAS 1 and 2, CPU and NVMe
 optimizer offload, ZeRO-3 parameter offload, MoE, ``safe_get_full_grad``/``safe_set_full_grad`` between the
 boundary backward and ``step()``, the ZeRO optimizer's ``zero_grad()`` between micro-batches. Parameters,
@@ -19,8 +19,8 @@ it out. The 0.19.8 series carries none of these fixes: it skips there.
 
 import pytest
 
-from support.pristine import reference_results
-from support.reference_run import EVERY_GRADIENT_CASES, differences, fixed_run
+from ds_harness.support.pristine import reference_results
+from ds_harness.support.reference_run import EVERY_GRADIENT_CASES, differences, fixed_run
 
 pytestmark = [
     pytest.mark.pr("fix-zero3-allgather-wait"),
@@ -29,7 +29,7 @@ pytestmark = [
 ]
 
 WORLD_SIZE = 2
-#: The case table, by its name in ``support.reference_run.TABLES``.
+#: The case table, by its name in ``ds_harness.support.reference_run.TABLES``.
 TABLE = "every-gradient"
 #: No PR of the series: pristine 0.19.3.
 PRISTINE = 0

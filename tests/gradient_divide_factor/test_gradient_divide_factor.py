@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from support import scenarios
+from ds_harness.support import scenarios
 
 pytestmark = pytest.mark.pr("gradient-divide-factor")
 
@@ -92,7 +92,7 @@ class _EmbeddingMLP(torch.nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        from support.training import FEATURES, HIDDEN, OUTPUTS
+        from ds_harness.support.training import FEATURES, HIDDEN, OUTPUTS
 
         self.embed = torch.nn.Embedding(VOCABULARY, HIDDEN, sparse=True)
         self.fc1 = torch.nn.Linear(FEATURES, HIDDEN)
@@ -112,8 +112,8 @@ def _sparse_gradients_take_the_factor() -> None:
     """The factor replaces the data-parallel averaging of sparse gradients too (the engine's sparse all-reduce):
     raw losses with the factor 2 * dp_world_size equal halved losses without one, bitwise (powers of two scale
     exactly), in the embedding as in the dense layers. SGD, which takes sparse gradients, as a client optimizer."""
-    from support.paths import Path
-    from support.training import assert_identical, destroy, forward_loss, snapshot
+    from ds_harness.support.paths import Path
+    from ds_harness.support.training import assert_identical, destroy, forward_loss, snapshot
 
     path = Path(0, "fp32", {"optimizer": None}, lambda: {"optimizer": lambda params: torch.optim.SGD(params, lr=0.05)},
                 model_fn=_make_embedding_model)
@@ -171,8 +171,8 @@ def _legacy_fused_norm_is_normalised() -> None:
     """(c) on the legacy fused FP16 path: raw token-sum losses with the global token count as the factor report
     the gradient norm of pre-divided losses with the factor 1 (the norm of the normalised gradient), as the
     other fp16 paths do; without the factor in it, the raw run's norm is tokens / dp_world_size times larger."""
-    from support.paths import Path
-    from support.training import destroy
+    from ds_harness.support.paths import Path
+    from ds_harness.support.training import destroy
 
     path = Path(0,
                 "fp16", {"optimizer": {
@@ -213,8 +213,8 @@ def _hybrid_engine_takes_the_factor() -> None:
     import torch
 
     from deepspeed.runtime.hybrid_engine import DeepSpeedHybridEngine
-    from support.paths import PATHS
-    from support.training import destroy, forward_loss, snapshot
+    from ds_harness.support.paths import PATHS
+    from ds_harness.support.training import destroy, forward_loss, snapshot
 
     results = []
     for hybrid in (True, False):
@@ -246,8 +246,8 @@ def _divide_ratio_declarations_body(path_name: str) -> str:
     from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
     from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
     from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
-    from support.paths import PATHS
-    from support.training import destroy, forward_loss, snapshot
+    from ds_harness.support.paths import PATHS
+    from ds_harness.support.training import destroy, forward_loss, snapshot
 
     assert "gradient_divide_ratio" in DeepSpeedOptimizer.__dict__
     declared = {cls: cls.applies_gradient_divide_ratio for cls in (DeepSpeedOptimizer, ZeROOptimizer, FP16_Optimizer,

@@ -28,10 +28,10 @@ import torch
 from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
-from harness import run_on_ranks
-from support import pytorch_reference
-from support.paths import Path, make_two_head_model
-from support.training import assert_identical, assert_params_close, destroy, loss_fn, micro_batch, snapshot
+from ds_harness import run_on_ranks
+from ds_harness.support import pytorch_reference
+from ds_harness.support.paths import Path, make_two_head_model
+from ds_harness.support.training import assert_identical, assert_params_close, destroy, loss_fn, micro_batch, snapshot
 
 pytestmark = pytest.mark.pr("zero-offload")
 

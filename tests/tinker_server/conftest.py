@@ -1,29 +1,23 @@
-"""Fixtures for the Tinker-protocol server tests: the repo on sys.path, servers stopped by PID.
+"""Fixtures for the Tinker-protocol server tests (of the installed deepspeed_tinker): servers stopped by PID.
 
 One 2-rank server per ZeRO stage serves the whole session (starting one costs ~20 s on 2 cores);
 every test creates its own models on it. Each also serves local Hugging Face models built here with
 ``save_pretrained`` (``--base-model``): a tiny GPT-2 under its path, and tiny Qwen3 and Llama models with chat
-tokenizers (``examples/tinker_server/tiny_models.py``) under Hugging Face names tinker-cookbook knows
+tokenizers (``deepspeed_tinker.tiny_models``) under Hugging Face names tinker-cookbook knows
 (``--base-model NAME=PATH``, ``CHAT_MODELS``), the Qwen3 also under its path.
 """
 
 from __future__ import annotations
 
 import logging
-import sys
 from pathlib import Path
 from typing import Iterator
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-HERE = Path(__file__).resolve().parent
-for path in (ROOT, HERE):  # the server package lives in examples/; tinker_sdk_helpers lives here
-    if str(path) not in sys.path:
-        sys.path.insert(0, str(path))
-
-from tinker_sdk_helpers import (CHAT_MODELS, NAMED_MODEL, build_tiny_hf_model, require, start_server,  # noqa: E402
-                                stop_server, unmanaged_stage_supported)
+# pytest puts this folder on the path (it has no __init__.py): tinker_sdk_helpers lives here.
+from tinker_sdk_helpers import (CHAT_MODELS, NAMED_MODEL, build_tiny_hf_model, require, start_server, stop_server,
+                                unmanaged_stage_supported)
 
 
 @pytest.fixture(scope="session")
@@ -38,7 +32,7 @@ def chat_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Hugging Face name -> a tiny randomly initialised model of that architecture with a tokenizer that has the
     chat template's special tokens (``CHAT_MODELS``), so tinker-cookbook's renderers for the name work."""
     require("transformers")
-    from examples.tinker_server.tiny_models import build_tiny_model
+    from deepspeed_tinker.tiny_models import build_tiny_model
 
     root = tmp_path_factory.mktemp("chat-models")
     return {name: build_tiny_model(root / family, family) for name, family in CHAT_MODELS.items()}

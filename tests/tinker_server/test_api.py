@@ -14,9 +14,9 @@ require("tinker")
 from tinker import types  # noqa: E402
 from tinker.proto.request_conv import forward_backward_request_to_proto  # noqa: E402
 
-from examples.tinker_server.api import ApiSettings, TinkerApi  # noqa: E402
-from examples.tinker_server.scheduler import FutureStore, Scheduler  # noqa: E402
-from examples.tinker_server.wire import FwdBwdResult  # noqa: E402
+from deepspeed_tinker.api import ApiSettings, TinkerApi  # noqa: E402
+from deepspeed_tinker.scheduler import FutureStore, Scheduler  # noqa: E402
+from deepspeed_tinker.wire import FwdBwdResult  # noqa: E402
 
 pytestmark = pytest.mark.pr("zero-0-1")
 KEY = {"x-api-key": "tml-test"}

@@ -8,7 +8,7 @@ distillation (``distillation/train_off_policy``) on ``Qwen/Qwen3-8B``.
 Each is driven through the recipe's own ``build_config_blueprint`` (or ``Config``) and ``main``, with what a user
 changes on its command line (``base_url``, ``log_path``, the learning rate, a few steps) and a local dataset in place
 of the one it downloads from the hub: the cookbook's own ``example_data/conversations.jsonl`` for SL and
-distillation, the letters task as a chat (``examples/tinker_server/chat_letters.py``) for RL, a preference file the
+distillation, the letters task as a chat (``chat_letters.py``, beside this file) for RL, a preference file the
 test writes for DPO. The tokenizers come from the cookbook's registry (``register_tokenizer``, as a user's script
 does offline). DPO and distillation are deterministic (no sampling): they start from saved adapters
 (``load_checkpoint_path``, a recipe option) and every step's loss and the final adapters equal a plain-PyTorch
@@ -30,7 +30,7 @@ import pytest
 from tinker_sdk_helpers import API_KEY, require
 
 if TYPE_CHECKING:
-    from examples.tinker_server.model import LoraSpec
+    from deepspeed_tinker.model import LoraSpec
 
 require("tinker")
 pytest.importorskip("tinker_cookbook.rl.train", reason="install requirements/tinker-cookbook.txt (--no-deps)")
@@ -62,7 +62,10 @@ def metrics(log_path: Path, key: str) -> list[float]:
 def test_sl_basic_lowers_the_loss(server, cookbook_env, tmp_path: Path) -> None:
     if server.zero_stage != 1:
         pytest.skip("one stage is enough: the recipe's requests are those the SDK tests check on every stage")
-    from examples.tinker_server.recipes_client import MODEL_NAME, run_sl_basic
+    from tinker_sdk_helpers import load_example
+
+    recipes_client = load_example("recipes_client")
+    MODEL_NAME, run_sl_basic = recipes_client.MODEL_NAME, recipes_client.run_sl_basic
 
     # What `bash tools/demo.sh recipes` runs
     assert MODEL_NAME == QWEN
@@ -77,7 +80,7 @@ def test_rl_basic_with_async_config_raises_the_reward(server, cookbook_env, tmp_
     from tinker_cookbook.recipes import rl_basic
     from tinker_cookbook.rl.train import AsyncConfig
 
-    from examples.tinker_server.chat_letters import ChatLettersDatasetBuilder
+    from chat_letters import ChatLettersDatasetBuilder
 
     log_path = tmp_path / "rl_basic"
     config = rl_basic.build_config_blueprint(LLAMA).apply({
@@ -125,7 +128,7 @@ def replay_dpo(model_path: Path, lora: LoraSpec, batches: list[list], learning_r
 
     import torch
 
-    from examples.tinker_server.model import token_logprobs
+    from deepspeed_tinker.model import token_logprobs
     from tinker_sdk_helpers import PlainReplay
 
     replay = PlainReplay(str(model_path), lora)
@@ -164,7 +167,7 @@ def test_dpo_lowers_the_loss_and_equals_a_plain_pytorch_replay(server, cookbook_
     from tinker_cookbook.preference.preference_datasets import ComparisonBuilderFromJsonl
     from tinker_cookbook.supervised.types import ChatDatasetBuilderCommonConfig
 
-    from examples.tinker_server.model import LoraSpec, register_local_model
+    from deepspeed_tinker.model import LoraSpec, register_local_model
     from tinker_sdk_helpers import max_weight_difference, saved_weights
 
     service = tinker.ServiceClient(base_url=server.base_url)
@@ -228,7 +231,7 @@ def test_rl_basic_with_a_kl_penalty_against_the_base_model(server, cookbook_env,
     from tinker_cookbook.rl.train import KLReferenceConfig
     from transformers import AutoModelForCausalLM
 
-    from examples.tinker_server.chat_letters import ChatLettersDatasetBuilder
+    from chat_letters import ChatLettersDatasetBuilder
 
     log_path = tmp_path / "rl_basic_kl"
     config = rl_basic.build_config_blueprint(LLAMA).apply({
@@ -269,7 +272,7 @@ def replay_distillation(model_path: Path, student_lora: LoraSpec, teacher_lora: 
     step (the SDK's ``AdamParams`` defaults) per batch. Returns each step's loss and the student's adapters."""
     import torch
 
-    from examples.tinker_server.model import build_model
+    from deepspeed_tinker.model import build_model
     from tinker_sdk_helpers import PlainReplay
 
     teacher = build_model(str(model_path), teacher_lora).eval()
@@ -315,7 +318,7 @@ def test_off_policy_distillation_lowers_the_students_loss(server, cookbook_env, 
     from tinker_cookbook.supervised.data import FromConversationFileBuilder
     from tinker_cookbook.supervised.types import ChatDatasetBuilderCommonConfig
 
-    from examples.tinker_server.model import BASE_MODELS, LoraSpec, register_local_model
+    from deepspeed_tinker.model import BASE_MODELS, LoraSpec, register_local_model
     from tinker_sdk_helpers import max_weight_difference, saved_weights
 
     conversations = Path(tinker_cookbook.__file__).parent / "example_data" / "conversations.jsonl"

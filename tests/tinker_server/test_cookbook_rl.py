@@ -18,7 +18,9 @@ from tinker_sdk_helpers import require
 require("tinker")
 pytest.importorskip("tinker_cookbook.rl.train", reason="install requirements/tinker-cookbook.txt (--no-deps)")
 
-from examples.tinker_server import rl_client  # noqa: E402
+from tinker_sdk_helpers import load_example  # noqa: E402
+
+rl_client = load_example("rl_client")
 
 pytestmark = pytest.mark.pr("zero-0-1")
 

@@ -15,8 +15,8 @@ from tinker_sdk_helpers import API_KEY, RESULT_TIMEOUT_S, require, start_server,
 tinker = require("tinker")
 from tinker import types  # noqa: E402
 
-from examples.tinker_server.api import checkpoint_dir, parse_tinker_path  # noqa: E402
-from examples.tinker_server.checkpoint_store import CheckpointStore  # noqa: E402
+from deepspeed_tinker.api import checkpoint_dir, parse_tinker_path  # noqa: E402
+from deepspeed_tinker.checkpoint_store import CheckpointStore  # noqa: E402
 
 pytestmark = pytest.mark.pr("zero-0-1")
 

@@ -1,6 +1,6 @@
 """The server under the standard launchers: 2 CPU ranks, rank 0 serves, rank 1 follows.
 
-The same entry point (``python -m examples.tinker_server rank``) runs under ``torchrun`` and
+The same entry point (``python -m deepspeed_tinker rank``) runs under ``torchrun`` and
 DeepSpeed's ``deepspeed`` launcher on any number of nodes; here each starts 2 gloo ranks on one node
 (the deepspeed launcher on DeepSpeed's CPU accelerator, which counts LOCAL_SIZE devices), the SDK
 trains a step and samples, and the server stops cleanly when rank 0 gets SIGTERM.
@@ -24,7 +24,8 @@ from tinker_sdk_helpers import require
 tinker = require("tinker")
 from tinker import types  # noqa: E402
 
-from examples.tinker_server.launch import ROOT, free_port  # noqa: E402
+from deepspeed_tinker.launch import free_port  # noqa: E402
+from ds_harness.ranks import kill_tree  # noqa: E402
 from tinker_sdk_helpers import API_KEY, RESULT_TIMEOUT_S, START_TIMEOUT_S, adam, random_data, to_sdk  # noqa: E402
 
 pytestmark = pytest.mark.pr("zero-0-1")
@@ -45,12 +46,11 @@ def test_a_standard_launcher_runs_the_server_and_rank_0_serves(tmp_path: Path, l
     ready, log = tmp_path / "ready.json", tmp_path / f"{launcher_name}.log"
     port = str(free_port())
     command = [str(program), *(a.replace("{port}", port) for a in LAUNCHERS[launcher_name][1:]),
-               "examples.tinker_server", "rank", "--port", "0", "--zero-stage", "1", "--device", "cpu",
+               "deepspeed_tinker", "rank", "--port", "0", "--zero-stage", "1", "--device", "cpu",
                "--checkpoint-dir", str(tmp_path / "ckpt"), "--long-poll-s", "1", "--ready-file", str(ready)]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-               OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", DS_ACCELERATOR="cpu", LOCAL_SIZE="2")
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", DS_ACCELERATOR="cpu", LOCAL_SIZE="2")
     with open(log, "wb") as out:
-        launcher = subprocess.Popen(command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+        launcher = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT,
                                     start_new_session=True)
     try:
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -79,5 +79,5 @@ def test_a_standard_launcher_runs_the_server_and_rank_0_serves(tmp_path: Path, l
         assert "[tinker-server] stopped" in log.read_text()
     finally:
         if launcher.poll() is None:
-            os.killpg(launcher.pid, signal.SIGKILL)
+            kill_tree(launcher.pid)
             launcher.wait()

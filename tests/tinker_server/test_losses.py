@@ -16,10 +16,10 @@ from tinker import types  # noqa: E402
 from tinker.proto.request_conv import forward_backward_request_to_proto  # noqa: E402
 from tinker.proto.response_conv import deserialize_forward_backward_output  # noqa: E402
 
-from examples.tinker_server.losses import elementwise_loss  # noqa: E402
-from examples.tinker_server.wire import (Datum, FwdBwdResult, UserError, decode_forward_backward,  # noqa: E402
+from deepspeed_tinker.losses import elementwise_loss  # noqa: E402
+from deepspeed_tinker.wire import (Datum, FwdBwdResult, UserError, decode_forward_backward,  # noqa: E402
                                          encode_forward_backward_output)
-from examples.tinker_server.worker import pad_inputs, unpad  # noqa: E402
+from deepspeed_tinker.worker import pad_inputs, unpad  # noqa: E402
 
 pytestmark = pytest.mark.pr("zero-0-1")
 
@@ -138,7 +138,7 @@ def soft_target_data(rng: np.random.Generator) -> list[Datum]:
 
 def test_top_k_cross_entropy_sums_every_weighted_target() -> None:
     """``-sum_t sum_k w[t, k] * log p(x[t, k])``, per target; [N] datums beside them keep their shape."""
-    from examples.tinker_server.model import build_model, token_logprobs
+    from deepspeed_tinker.model import build_model, token_logprobs
 
     torch.manual_seed(0)
     model = build_model("tiny-llama-byte", None)

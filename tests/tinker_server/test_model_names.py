@@ -22,9 +22,9 @@ require("transformers")
 from tinker import types  # noqa: E402
 
 from tinker_sdk_helpers import API_KEY, RESULT_TIMEOUT_S, adam  # noqa: E402
-from examples.tinker_server.api import ApiSettings, TinkerApi  # noqa: E402
-from examples.tinker_server.model import BASE_MODELS, build_model, parse_base_model, register_local_model  # noqa: E402
-from examples.tinker_server.scheduler import FutureStore, Scheduler  # noqa: E402
+from deepspeed_tinker.api import ApiSettings, TinkerApi  # noqa: E402
+from deepspeed_tinker.model import BASE_MODELS, build_model, parse_base_model, register_local_model  # noqa: E402
+from deepspeed_tinker.scheduler import FutureStore, Scheduler  # noqa: E402
 
 pytestmark = pytest.mark.pr("zero-0-1")
 KEY = {"x-api-key": "tml-test"}

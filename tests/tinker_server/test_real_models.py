@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
+import os
 import sys
 from pathlib import Path
 
@@ -28,32 +28,23 @@ pytestmark = pytest.mark.pr("zero-0-1")
 def qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     require("transformers")
     require("peft")
-    from examples.tinker_server.tiny_models import build_tiny_model
+    from deepspeed_tinker.tiny_models import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("real") / "qwen3", "qwen3", hidden_size=256, layers=2)
 
 
 def run_ranks(tmp_path: Path, zero_stage: int, dtype: str, model_dir: Path) -> list[dict]:
-    from examples.ranks import free_port, rank_env
+    from ds_harness.ranks import kill_tree, start_ranks
 
-    port = free_port()
-    procs = []
-    for rank in range(WORLD):
-        env = rank_env(rank, WORLD, port, cpu=True)
-        env["PYTHONPATH"] = str(ROOT)
-        env["HF_HUB_OFFLINE"] = "1"
-        log = open(tmp_path / f"rank{rank}.log", "w")
-        procs.append((subprocess.Popen([sys.executable, str(SCRIPT), str(tmp_path), str(zero_stage), dtype,
-                                        str(model_dir)], env=env, cwd=ROOT, stdout=log,
-                                       stderr=subprocess.STDOUT), log))
+    procs = start_ranks([sys.executable, str(SCRIPT), str(tmp_path), str(zero_stage), dtype, str(model_dir)], WORLD,
+                        cpu=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}, cwd=ROOT, log_dir=tmp_path)
     try:
-        codes = [p.wait(timeout=300) for p, _ in procs]
+        codes = [p.wait(timeout=300) for p in procs]
     finally:
-        for p, log in procs:
+        for p in procs:
             if p.poll() is None:
-                p.kill()
+                kill_tree(p.pid)
                 p.wait()
-            log.close()
     logs = "\n".join((tmp_path / f"rank{r}.log").read_text(errors="replace")[-3000:] for r in range(WORLD))
     assert codes == [0] * WORLD, f"ranks exited {codes}\n{logs}"
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
@@ -128,8 +119,8 @@ def test_the_sdk_trains_a_named_model_in_bf16_with_checkpointing_on_zero3(tmp_pa
     from tinker import types
     from tinker_sdk_helpers import API_KEY, NAMED_MODEL, RESULT_TIMEOUT_S, adam, log_tail, stop_server
 
-    from examples.tinker_server.launch import ServerProcess
-    from examples.tinker_server.model import DEFAULT_LORA_RANK, build_model, register_local_model, token_logprobs
+    from deepspeed_tinker.launch import ServerProcess
+    from deepspeed_tinker.model import DEFAULT_LORA_RANK, build_model, register_local_model, token_logprobs
 
     server = ServerProcess(world_size=2, zero_stage=3, checkpoint_dir=tmp_path / "ckpt",
                            log_path=tmp_path / "server.log",
@@ -160,7 +151,7 @@ def test_the_sdk_trains_a_named_model_in_bf16_with_checkpointing_on_zero3(tmp_pa
         np.testing.assert_array_equal(logprobs(other), before)
 
         spec = register_local_model(f"{NAMED_MODEL}={qwen3_dir}")
-        from examples.tinker_server.model import LoraSpec
+        from deepspeed_tinker.model import LoraSpec
 
         plain = build_model(spec.name, LoraSpec(rank=DEFAULT_LORA_RANK, seed=2), torch.bfloat16)
         with torch.no_grad():

@@ -23,7 +23,7 @@ from tinker_sdk_helpers import require
 tinker = require("tinker")
 from tinker import types  # noqa: E402
 
-from examples.tinker_server.model import LoraSpec  # noqa: E402
+from deepspeed_tinker.model import LoraSpec  # noqa: E402
 from tinker_sdk_helpers import (API_KEY, RESULT_TIMEOUT_S, PlainReplay, adam, assert_trained_like_replay,  # noqa: E402
                                 reference_elementwise_loss)
 

@@ -1,4 +1,5 @@
-"""The batched sampler (``sampler.generate``) against the sampler it replaced (``sampler.generate_reference``),
+"""The batched sampler (``sampler.generate``) against the sampler it replaced (``generate_reference``, the
+oracle beside these tests in sampling_reference.py),
 in process, no ranks: on fixed seeds they give the same tokens, stop reasons and logprobs (bit for bit: the logprobs
 come from the same scoring forward as before; the tokens from the same draws on logits that may differ in the last
 bits, see ``sampler.generate``, which changes no token here), over temperatures,
@@ -15,9 +16,10 @@ from tinker_sdk_helpers import require
 require("transformers")
 require("peft")
 
-from examples.tinker_server.model import LoraSpec, build_model, register_local_model  # noqa: E402
-from examples.tinker_server.sampler import StopStrings, generate, generate_reference, score, _decoder  # noqa: E402
-from examples.tinker_server.sampling import SampleJob, SnapshotRef  # noqa: E402
+from deepspeed_tinker.model import LoraSpec, build_model, register_local_model  # noqa: E402
+from deepspeed_tinker.sampler import StopStrings, generate, score, _decoder  # noqa: E402
+from deepspeed_tinker.sampling import SampleJob, SnapshotRef  # noqa: E402
+from sampling_reference import generate_reference  # noqa: E402
 
 pytestmark = pytest.mark.pr("zero-0-1")
 
@@ -103,7 +105,7 @@ def test_the_batched_sampler_equals_the_reference(case: str) -> None:
 
 def test_the_batched_sampler_equals_the_reference_on_a_local_chat_model(tmp_path) -> None:
     """A tiny Qwen3 (local directory, a tokenizer with special tokens): its EOS, a stop string, several samples."""
-    from examples.tinker_server.tiny_models import build_tiny_model
+    from deepspeed_tinker.tiny_models import build_tiny_model
 
     spec = register_local_model(str(build_tiny_model(tmp_path / "qwen3", "qwen3")))
     model = peaked(build_model(spec.name, LoraSpec(rank=2, seed=0)))
@@ -124,7 +126,7 @@ def test_incremental_stop_strings_equal_decoding_everything(kind: str, tmp_path)
         decode = _decoder("tiny-llama-byte")
         vocab = 256
     else:
-        from examples.tinker_server.tiny_models import build_tiny_model
+        from deepspeed_tinker.tiny_models import build_tiny_model
 
         spec = register_local_model(str(build_tiny_model(tmp_path / "qwen3", "qwen3")))
         decode, vocab = _decoder(spec.name), spec.vocab_size - 2
@@ -146,7 +148,7 @@ def test_requests_batched_together_equal_each_alone(lengths: tuple[int, ...]) ->
     """``generate_batch``: requests (two of them with the same prompt; prompts of one length, or of several,
     left-padded in the batch) decode as one batch, and each request's samples are the reference's for its prompt and
     seeds."""
-    from examples.tinker_server.sampler import generate_batch
+    from deepspeed_tinker.sampler import generate_batch
 
     model = peaked(build_model("tiny-llama-byte", LoraSpec(rank=2, seed=0)))
     decode = _decoder("tiny-llama-byte")
@@ -170,7 +172,7 @@ def test_sample_many_equals_one_request_at_a_time() -> None:
     """``SamplerPool.sample_many`` (what a rank runs for concurrent requests): grouped by weights and sampling
     parameters, each request's share and prompt logprobs equal ``sample`` on it alone; a request whose weights
     are gone fails alone, with a user error."""
-    from examples.tinker_server.sampler import SamplerPool
+    from deepspeed_tinker.sampler import SamplerPool
 
     pool = SamplerPool(torch.device("cpu"))
     trained = build_model("tiny-llama-byte", LoraSpec(rank=2, seed=0))
@@ -206,7 +208,7 @@ def test_sample_many_equals_one_request_at_a_time() -> None:
 
 
 def test_the_scheduler_hands_out_consecutive_sampling_requests_in_order() -> None:
-    from examples.tinker_server.scheduler import FutureStore, Scheduler
+    from deepspeed_tinker.scheduler import FutureStore, Scheduler
 
     scheduler = Scheduler(FutureStore())
     for kind in ("sample", "sample", "sample", "create", "sample"):

@@ -14,11 +14,11 @@ from tinker_sdk_helpers import require
 require("tinker")
 from tinker.proto.response_conv import deserialize_sample_response  # noqa: E402
 
-from examples.tinker_server.api import ApiSettings, TinkerApi  # noqa: E402
-from examples.tinker_server.sampling import (SampledSequence, SampleResult, SnapshotRef,  # noqa: E402
+from deepspeed_tinker.api import ApiSettings, TinkerApi  # noqa: E402
+from deepspeed_tinker.sampling import (SampledSequence, SampleResult, SnapshotRef,  # noqa: E402
                                              encode_sample_response, parse_sample)
-from examples.tinker_server.scheduler import FutureStore, Scheduler  # noqa: E402
-from examples.tinker_server.wire import UserError  # noqa: E402
+from deepspeed_tinker.scheduler import FutureStore, Scheduler  # noqa: E402
+from deepspeed_tinker.wire import UserError  # noqa: E402
 
 pytestmark = pytest.mark.pr("zero-0-1")
 KEY = {"x-api-key": "tml-test"}

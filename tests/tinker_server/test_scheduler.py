@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from examples.tinker_server.scheduler import FutureStore, Scheduler
+from deepspeed_tinker.scheduler import FutureStore, Scheduler
 
 pytestmark = pytest.mark.pr("zero-0-1")
 

@@ -19,8 +19,8 @@ from tinker_sdk_helpers import require
 tinker = require("tinker")
 from tinker import types  # noqa: E402
 
-from examples.tinker_server.stability import RECORD_TTL_S, StabilityRecords, resolve_provenance  # noqa: E402
-from examples.tinker_server.wire import Datum, Span, UserError  # noqa: E402
+from deepspeed_tinker.stability import RECORD_TTL_S, StabilityRecords, resolve_provenance  # noqa: E402
+from deepspeed_tinker.wire import Datum, Span, UserError  # noqa: E402
 from tinker_sdk_helpers import API_KEY, RESULT_TIMEOUT_S, adam, reference_elementwise_loss  # noqa: E402
 
 pytestmark = pytest.mark.pr("zero-0-1")

@@ -16,14 +16,14 @@ require("tinker")
 peft = require("peft")
 from tinker import types  # noqa: E402
 
-from examples.tinker_server.api import ApiSettings, TinkerApi  # noqa: E402
-from examples.tinker_server.checkpoint_files import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, MODEL_WEIGHTS,  # noqa: E402
+from deepspeed_tinker.api import ApiSettings, TinkerApi  # noqa: E402
+from deepspeed_tinker.checkpoint_files import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, MODEL_WEIGHTS,  # noqa: E402
                                                      read_weights, write_weights)
-from examples.tinker_server.checkpoint_store import CheckpointStore  # noqa: E402
-from examples.tinker_server.download_urls import UrlSigner  # noqa: E402
-from examples.tinker_server.model import LORA_ALPHA, LoraSpec, build_model, register_local_model  # noqa: E402
-from examples.tinker_server.scheduler import FutureStore, Scheduler  # noqa: E402
-from examples.tinker_server.worker import TrainingModel, Worker  # noqa: E402
+from deepspeed_tinker.checkpoint_store import CheckpointStore  # noqa: E402
+from deepspeed_tinker.download_urls import UrlSigner  # noqa: E402
+from deepspeed_tinker.model import LORA_ALPHA, LoraSpec, build_model, register_local_model  # noqa: E402
+from deepspeed_tinker.scheduler import FutureStore, Scheduler  # noqa: E402
+from deepspeed_tinker.worker import TrainingModel, Worker  # noqa: E402
 
 pytestmark = pytest.mark.pr("zero-0-1")
 KEY = {"x-api-key": "tml-test", "host": "127.0.0.1:9"}

@@ -25,8 +25,7 @@ tinker = require("tinker")
 peft = require("peft")
 from tinker import types  # noqa: E402
 
-from examples.tinker_server.api import checkpoint_dir  # noqa: E402
-from examples.tinker_server.launch import ROOT  # noqa: E402
+from deepspeed_tinker.api import checkpoint_dir  # noqa: E402
 from tinker_sdk_helpers import (API_KEY, NAMED_MODEL, RESULT_TIMEOUT_S, adam, random_data, start_server,  # noqa: E402
                                 stop_server, to_sdk, unmanaged_stage_supported)
 
@@ -67,7 +66,7 @@ def cli_download(base_url: str, tinker_path: str, output: Path) -> Path:
     """``tinker checkpoint download`` as a user runs it; the directory it creates."""
     env = {**os.environ, "TINKER_BASE_URL": base_url, "TINKER_API_KEY": API_KEY}
     done = subprocess.run([sys.executable, "-m", "tinker.cli", "checkpoint", "download", tinker_path, "--output",
-                           str(output)], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+                           str(output)], env=env, cwd=output.parent, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     return output / tinker_path.replace("tinker://", "").replace("/", "_")
 

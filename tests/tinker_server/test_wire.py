@@ -12,7 +12,7 @@ from tinker import types  # noqa: E402
 from tinker.proto.request_conv import forward_backward_request_to_proto  # noqa: E402
 from tinker.proto.response_conv import deserialize_forward_backward_output  # noqa: E402
 
-from examples.tinker_server.wire import (FwdBwdResult, UserError, check_against_model,  # noqa: E402
+from deepspeed_tinker.wire import (FwdBwdResult, UserError, check_against_model,  # noqa: E402
                                          decode_forward_backward, encode_forward_backward_output)
 
 pytestmark = pytest.mark.pr("zero-0-1")

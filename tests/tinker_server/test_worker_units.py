@@ -12,9 +12,9 @@ from tinker_sdk_helpers import require
 require("peft")
 require("transformers")
 
-from examples.tinker_server.model import LoraSpec, build_model, cross_entropy_sum, token_logprobs  # noqa: E402
-from examples.tinker_server.wire import Datum  # noqa: E402
-from examples.tinker_server.worker import apply_step_hyperparameters, pad_batch, share, sum_over_ranks  # noqa: E402
+from deepspeed_tinker.model import LoraSpec, build_model, cross_entropy_sum, token_logprobs  # noqa: E402
+from deepspeed_tinker.wire import Datum  # noqa: E402
+from deepspeed_tinker.worker import apply_step_hyperparameters, pad_batch, share, sum_over_ranks  # noqa: E402
 
 pytestmark = pytest.mark.pr("zero-0-1")
 
@@ -84,7 +84,7 @@ def test_models_are_reproducible_from_name_and_seed() -> None:
 
 def test_lora_scale_is_tinkers_alpha_over_rank() -> None:
     """Tinker's LoRA: alpha 32 whatever the rank, so the adapter's scale is 32 / rank."""
-    from examples.tinker_server.model import LORA_ALPHA
+    from deepspeed_tinker.model import LORA_ALPHA
 
     for rank in (1, 4, 32):
         model = build_model("tiny-llama-byte", LoraSpec(rank=rank, seed=0))
@@ -95,7 +95,7 @@ def test_lora_scale_is_tinkers_alpha_over_rank() -> None:
 def test_lora_models_share_one_base_and_full_fine_tuning_copies() -> None:
     """``build_model(base=...)``: a LoRA model over the base's own tensors (one copy, whatever the number of
     clients), numerically the model built on its own; full fine-tuning cannot share."""
-    from examples.tinker_server.model import build_base
+    from deepspeed_tinker.model import build_base
 
     base = build_base("tiny-llama-byte")
     a, b = (build_model("tiny-llama-byte", LoraSpec(rank=2, seed=s), base=base) for s in (1, 2))

@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 import torch
 
-from examples.tinker_server.api import checkpoint_dir, parse_tinker_path
-from examples.tinker_server.model import LoraSpec, build_model, cross_entropy_sum, token_logprobs
-from examples.tinker_server.checkpoint_files import read_weights
+from deepspeed_tinker.api import checkpoint_dir, parse_tinker_path
+from deepspeed_tinker.model import LoraSpec, build_model, cross_entropy_sum, token_logprobs
+from deepspeed_tinker.checkpoint_files import read_weights
 
 
 def require(module: str) -> Any:
@@ -27,6 +27,24 @@ def require(module: str) -> Any:
     if os.environ.get("CI"):
         return importlib.import_module(module)
     return pytest.importorskip(module, reason="install requirements/tinker-server.txt")
+
+
+#: The demos' clients (examples, not part of the installed server).
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "tinker"
+
+
+def load_example(name: str) -> Any:
+    """One of the demos' client scripts (``examples/tinker/<name>.py``) as a module, loaded from its file."""
+    import importlib.util
+    import sys
+
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # by name, as if run: chz and pickle find its classes
+    spec.loader.exec_module(module)
+    return module
 
 
 API_KEY = "tml-test"
@@ -46,7 +64,7 @@ def unmanaged_stage_supported(stage: int) -> bool:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     from deepspeed.runtime.config import DeepSpeedConfig, DeepSpeedConfigError
 
-    from examples.tinker_server.worker import ds_config
+    from deepspeed_tinker.worker import ds_config
 
     try:
         DeepSpeedConfig(ds_config(stage))
@@ -59,10 +77,10 @@ def start_server(tmp_dir: Path, zero_stage: int, checkpoint_dir: Path | None = N
                  extra_args: tuple[str, ...] = ()):
     """A 2-rank server on loopback with short long-polls, serving ``base_models`` (``PATH`` or ``NAME=PATH``), with
     ``extra_args`` added to its command line; the caller stops it (by PID)."""
-    from examples.tinker_server.launch import ServerProcess
+    from deepspeed_tinker.launch import ServerProcess
 
     # Two GPUs or more: the server's default, one rank per GPU (NCCL). Fewer: 2 CPU ranks (gloo).
-    from examples.tinker_server.launch import cuda_device_count
+    from deepspeed_tinker.launch import cuda_device_count
 
     device = "auto" if cuda_device_count() >= 2 else "cpu"
     extra = ["--max-chunk-datums", "4", "--long-poll-s", "1", "--device", device]
@@ -154,7 +172,7 @@ def build_tiny_hf_model(directory: Path) -> Path:
     ``save_pretrained``, with the byte-level tokenizer beside it. Nothing is downloaded."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from examples.tinker_server.byte_tokenizer import write_byte_tokenizer
+    from deepspeed_tinker.byte_tokenizer import write_byte_tokenizer
 
     if not (directory / "config.json").is_file():
         with torch.random.fork_rng(devices=[]):

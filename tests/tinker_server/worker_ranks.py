@@ -21,24 +21,21 @@ import json
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-
 
 def main(out_dir: Path, zero_stage: int, dtype: str, model_dir: str) -> None:
     import numpy as np
     import torch
     import torch.distributed as dist
 
-    from examples.ranks import init_gloo_deepspeed
+    from ds_harness.ranks import init_gloo_deepspeed
 
     init_gloo_deepspeed(timeout_minutes=10)
 
-    from examples.tinker_server.api import ModelRecord
-    from examples.tinker_server.model import LoraSpec, register_local_model
-    from examples.tinker_server.sampler import capture_weights
-    from examples.tinker_server.wire import Datum, FwdBwdRequest
-    from examples.tinker_server.worker import Worker
+    from deepspeed_tinker.api import ModelRecord
+    from deepspeed_tinker.model import LoraSpec, register_local_model
+    from deepspeed_tinker.sampler import capture_weights
+    from deepspeed_tinker.wire import Datum, FwdBwdRequest
+    from deepspeed_tinker.worker import Worker
 
     spec = register_local_model(model_dir)
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -14,12 +14,10 @@ import pytest
 import torch
 import torch.distributed as tdist
 
-from harness import RankError, RankTimeout, run_on_ranks
-from harness.pools import live_pids
+from ds_harness import RankError, RankTimeout, run_on_ranks
+from ds_harness.pools import live_pids
 
 TESTS_DIR = Path(__file__).resolve().parent.parent
-#: A copied harness still takes its launch helpers from the repository's examples/ranks.py.
-REPO_PATH = {"PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS_DIR.parent), os.environ.get("PYTHONPATH")]))}
 
 # -- bodies (module level: ranks import them by name) ------------------------------------------
 
@@ -222,7 +220,6 @@ def test_deepspeed_finds_group_initialised(dist):
 def test_pytest_integration(tmp_path):
     """End to end in a child pytest: markers, --upto, --world-sizes, failure and skip reports."""
     shutil.copy(TESTS_DIR / "conftest.py", tmp_path / "conftest.py")
-    shutil.copytree(TESTS_DIR / "harness", tmp_path / "harness", ignore=shutil.ignore_patterns("__pycache__"))
     (tmp_path / "test_sample.py").write_text(
         textwrap.dedent("""
         import pytest
@@ -259,7 +256,7 @@ def test_pytest_integration(tmp_path):
         sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-rs", "--upto", "3", "--world-sizes", "1,2",
         str(tmp_path)
     ]
-    env = dict(os.environ, **REPO_PATH, DS_HARNESS_INIT="torch", DS_SERIES_FILE=str(_sample_series(tmp_path)))
+    env = dict(os.environ, DS_HARNESS_INIT="torch", DS_SERIES_FILE=str(_sample_series(tmp_path)))
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1, out
@@ -277,15 +274,14 @@ def _sample_series(folder):
 
 
 def _child_pytest(folder, *args, installed_version=None):
-    """A child pytest with the repository's conftest and harness, the sample series and, optionally, a
+    """A child pytest with the repository's conftest (the installed harness), the sample series and, optionally, a
     stand-in distribution metadata so that ``deepspeed`` looks installed at ``installed_version``."""
     shutil.copy(TESTS_DIR / "conftest.py", folder / "conftest.py")
-    shutil.copytree(TESTS_DIR / "harness", folder / "harness", ignore=shutil.ignore_patterns("__pycache__"))
     if installed_version is not None:
         info = folder / f"deepspeed-{installed_version}.dist-info"
         info.mkdir()
         (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: deepspeed\nVersion: {installed_version}\n")
-    env = dict(os.environ, **REPO_PATH, DS_HARNESS_INIT="torch", DS_SERIES_FILE=str(_sample_series(folder)))
+    env = dict(os.environ, DS_HARNESS_INIT="torch", DS_SERIES_FILE=str(_sample_series(folder)))
     cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-rxXs", *args, str(folder)]
     proc = subprocess.run(cmd, cwd=folder, env=env, capture_output=True, text=True, timeout=240)
     return proc.returncode, proc.stdout + proc.stderr
@@ -399,8 +395,8 @@ def test_pr_markers_across_bases(tmp_path):
 
 
 def test_core_paths_name_real_configurations_of_every_stage_and_offload_mode():
-    """``--paths core`` keeps support.paths.CORE_PATHS: a misspelt name would silently drop a configuration."""
-    from support.paths import CORE_PATHS, PATHS
+    """``--paths core`` keeps ds_harness.support.paths.CORE_PATHS: a misspelt name would silently drop a configuration."""
+    from ds_harness.support.paths import CORE_PATHS, PATHS
 
     assert CORE_PATHS <= set(PATHS), sorted(CORE_PATHS - set(PATHS))
     assert {PATHS[name].stage for name in CORE_PATHS} == {0, 1, 2, 3}

@@ -1,13 +1,10 @@
-"""tools/hunk_check.py cuts a PR's diff into hunks and undoes exactly one of them in the file as of the PR."""
+"""ds_series.hunk_check (tools/ds_series/hunk_check.py) cuts a PR's diff into hunks and undoes exactly one of them in the file as of the PR."""
 
 import subprocess
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tools"))
 
-import hunk_check  # noqa: E402
+from ds_series import hunk_check
 
 OLD = "".join(f"line {i}\n" for i in range(1, 41))
 NEW = (OLD.replace("line 3\n", "line 3\nadded after 3\n").replace("line 20\n", "changed 20\n").replace(

@@ -1,17 +1,14 @@
-"""Tests of tools/lint_series.py (tooling) on a small synthetic stack: fast, no sdist."""
+"""Tests of ds_series.lint_series (tooling) on a small synthetic stack: fast, no sdist."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tools"))
 
-import lint_series  # noqa: E402
-import stack  # noqa: E402
+from ds_series import lint_series
+from ds_series import stack
 
 PRISTINE = '''import os
 
@@ -48,7 +45,7 @@ def repo(tmp_path: Path) -> Path:
 
 
 def _lint(repo: Path, n: int) -> dict[int, list[lint_series.Finding]]:
-    patches = [stack.Patch(k, f"pr-{k}", "") for k in range(1, n + 1)]
+    patches = [stack.Patch(k, f"pr-{k}", "", repo) for k in range(1, n + 1)]
     return {p.index: f for p, f in lint_series.lint_tree(repo, patches).items()}
 
 
@@ -85,7 +82,7 @@ def test_each_tool_reports_what_the_pr_adds(repo):
 
 def test_cli_exits_nonzero_with_a_report(repo, capsys, monkeypatch):
     _commit(repo, {"pkg/util.py": PRISTINE + "print(undefined)\n"}, "PR 1: flake8 error")
-    monkeypatch.setattr(stack, "read_series", lambda *a: [stack.Patch(1, "pr-1", "flake8 error")])
+    monkeypatch.setattr(stack, "read_series", lambda *a: [stack.Patch(1, "pr-1", "flake8 error", repo)])
     assert lint_series.main(["--tree", str(repo)]) == 1
     out = capsys.readouterr()
     assert "PR 1 (pr-1): 1 new lint finding(s)" in out.out

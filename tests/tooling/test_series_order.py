@@ -1,17 +1,15 @@
 """The series' naming convention, which the CI prefix runs and the default-behaviour check rely on: the
-bug-fix PRs (``fix-*``) lead patches/series, so the prefix they form is 0.19.3 plus bug fixes only."""
+bug-fix PRs (``fix-*``) lead the tested base's series, so the prefix they form is 0.19.3 plus bug fixes only."""
 
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tools"))
+from ds_series import stack
 
-import stack  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_bug_fix_prs_lead_the_series():
-    names = [p.name for p in stack.read_series()]
+    names = [p.name for p in stack.installed_base().series()]
     fixes = [n for n in names if n.startswith("fix-")]
     assert names[:len(fixes)] == fixes, f"every fix-* PR must come before the first other PR: {names}"
 
@@ -20,8 +18,8 @@ def test_every_bug_fix_pr_has_a_regression_test():
     marked = {}
     for test_file in (ROOT / "tests").rglob("test_*.py"):
         text = test_file.read_text(encoding="utf-8")
-        for name in (p.name for p in stack.read_series() if p.name.startswith("fix-")):
+        for name in (p.name for p in stack.installed_base().series() if p.name.startswith("fix-")):
             if f'pytest.mark.pr("{name}")' in text:
                 marked.setdefault(name, []).append(test_file.name)
-    missing = [p.name for p in stack.read_series() if p.name.startswith("fix-") and p.name not in marked]
+    missing = [p.name for p in stack.installed_base().series() if p.name.startswith("fix-") and p.name not in marked]
     assert not missing, f"bug-fix PRs without a regression test marked with their name: {missing}"

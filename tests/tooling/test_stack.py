@@ -1,9 +1,9 @@
-"""Tests of the stack tool, tools/stack.py (tooling).
+"""Tests of the stack tool, ds_series.stack (tooling).
 
 Every test works in temporary folders: the module's paths (patches/, the series index, the
 materialized tree, the prefix trees) are pointed there, so the project's own ``deepspeed-src/``,
 ``build/`` and ``patches/`` are never touched. The real pinned sdist is used where a tree is built
-(``stack.fetch()``: ``$DS_SERIES_SDIST``, the cache, or pip's index).
+(``stack.fetch(BASE)``: ``$DS_SERIES_SDIST``, the cache, or pip's index).
 """
 
 from __future__ import annotations
@@ -21,39 +21,47 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tools"))
 
-import stack  # noqa: E402
+from ds_series import stack
 
-REAL_PATCHES = stack.PATCHES_ROOT / f"deepspeed-{stack.DEFAULT_BASE}"
+#: The default base, as the repository holds it.
+BASE = stack.load_base(stack.DEFAULT_BASE)
+REAL_PATCHES = BASE.folder
 
 
 @pytest.fixture(scope="session")
 def sdist() -> Path:
     """The verified pinned sdist, obtained once (a failure here names the reason)."""
-    return stack.fetch()
+    return stack.fetch(BASE)
 
 
 @pytest.fixture
 def project(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sdist: Path) -> Path:
-    """A throwaway project root holding a copy of the real patches; the module points at it."""
+    """A throwaway project root holding a copy of the real patches; the CLI (``stack.main``) works in it."""
     root = tmp_path / "project"
-    shutil.copytree(REAL_PATCHES, root / "patches")
+    shutil.copytree(REAL_PATCHES, root / "patches" / REAL_PATCHES.name)
     monkeypatch.setattr(stack, "ROOT", root)
-    monkeypatch.setattr(stack, "PATCHES_DIR", root / "patches")
-    monkeypatch.setattr(stack, "SERIES_FILE", root / "patches" / "series")
-    monkeypatch.setattr(stack, "TREE_DIR", root / "deepspeed-src")
-    monkeypatch.setattr(stack, "PREFIX_DIR", root / "build")
+    monkeypatch.setattr(stack, "PATCHES_ROOT", root / "patches")
+    monkeypatch.delenv(stack.BASE_ENV, raising=False)
     monkeypatch.setenv(stack.SDIST_ENV, str(sdist))
     monkeypatch.setenv(stack.CACHE_ENV, str(tmp_path / "cache"))
     return root
+
+
+@pytest.fixture
+def base(project: Path) -> stack.Base:
+    """The default base in the throwaway project: its series, development tree and prefix trees are there."""
+    base = stack.default_base()
+    assert base.folder == project / "patches" / REAL_PATCHES.name
+    assert base.tree_dir == project / "deepspeed-src" / base.version
+    return base
 
 
 def _fake_sdist(path: Path) -> Path:
     """A well-formed sdist-shaped tarball whose contents (hence hash) are not the pinned ones."""
     data = b"from setuptools import setup\nsetup(name='deepspeed', version='0.19.3')\n"
     with tarfile.open(path, "w:gz") as tar:
-        info = tarfile.TarInfo(f"deepspeed-{stack.UPSTREAM_VERSION}/setup.py")
+        info = tarfile.TarInfo(f"deepspeed-{BASE.version}/setup.py")
         info.size = len(data)
         tar.addfile(info, io.BytesIO(data))
     return path
@@ -67,46 +75,46 @@ def _tags(repo: Path) -> set[str]:
 
 
 def test_wrong_sdist_hash_is_refused_naming_both_hashes(tmp_path, monkeypatch, capsys):
-    fake = _fake_sdist(tmp_path / stack.SDIST_NAME)
+    fake = _fake_sdist(tmp_path / BASE.sdist_name)
     actual = hashlib.sha256(fake.read_bytes()).hexdigest()
     monkeypatch.setenv(stack.SDIST_ENV, str(fake))
     monkeypatch.setenv(stack.CACHE_ENV, str(tmp_path / "cache"))
 
     with pytest.raises(stack.StackError) as err:
-        stack.fetch()
+        stack.fetch(BASE)
     message = str(err.value)
-    assert f"expected {stack.UPSTREAM_SHA256}" in message
+    assert f"expected {BASE.sha256}" in message
     assert f"actual   {actual}" in message
 
     # Nothing is built from it, and the CLI reports it without a traceback.
     with pytest.raises(stack.StackError, match="sha256 mismatch"):
-        stack.materialize(tmp_path / "tree")
+        stack.materialize(BASE, tmp_path / "tree")
     assert not (tmp_path / "tree").exists()
     assert stack.main(["fetch"]) == 1
     stderr = capsys.readouterr().err
-    assert stack.UPSTREAM_SHA256 in stderr and actual in stderr and "Traceback" not in stderr
+    assert BASE.sha256 in stderr and actual in stderr and "Traceback" not in stderr
 
 
 def test_wrong_hash_in_cache_is_refused(tmp_path, monkeypatch):
     cache = tmp_path / "cache"
     cache.mkdir()
-    _fake_sdist(cache / stack.SDIST_NAME)
+    _fake_sdist(cache / BASE.sdist_name)
     monkeypatch.delenv(stack.SDIST_ENV, raising=False)
     monkeypatch.setenv(stack.CACHE_ENV, str(cache))
-    with pytest.raises(stack.StackError, match=f"expected {stack.UPSTREAM_SHA256}"):
-        stack.fetch()
+    with pytest.raises(stack.StackError, match=f"expected {BASE.sha256}"):
+        stack.fetch(BASE)
 
 
 def test_missing_local_sdist_is_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.setenv(stack.SDIST_ENV, str(tmp_path / "nowhere.tar.gz"))
     with pytest.raises(stack.StackError, match="does not exist"):
-        stack.fetch()
+        stack.fetch(BASE)
 
 
 # -- materialize / export: the round trip --------------------------------------------------------
 
 
-def test_export_right_after_materialize_is_byte_identical(project, tmp_path, monkeypatch):
+def test_export_right_after_materialize_is_byte_identical(project, base, tmp_path, monkeypatch):
     # A developer's git configuration must not leak into the exported bytes.
     hostile = tmp_path / "gitconfig"
     hostile.write_text("[format]\n\tsignOff = true\n\theaders = X-Hostile: 1\n\tuseAutoBase = true\n"
@@ -114,106 +122,106 @@ def test_export_right_after_materialize_is_byte_identical(project, tmp_path, mon
     monkeypatch.setenv("GIT_CONFIG_GLOBAL", str(hostile))
     monkeypatch.setenv("HOME", str(tmp_path))
 
-    tree = stack.materialize()
-    assert tree == project / "deepspeed-src"
-    series = stack.read_series()
+    tree = stack.materialize(base)
+    assert tree == base.tree_dir
+    series = base.series()
     assert len(stack.stack_commits(tree)) == len(series)
     assert {stack.UPSTREAM_TAG, *(p.name for p in series)} <= _tags(tree)
 
-    for patch in (project / "patches").glob("*.patch"):
+    for patch in base.folder.glob("*.patch"):
         patch.unlink()  # export must regenerate every patch, not leave the old bytes in place
-    stack.export()
+    stack.export(base)
 
-    exported = {p.name: p.read_bytes() for p in (project / "patches").iterdir()}
+    exported = {p.name: p.read_bytes() for p in base.folder.iterdir()}
     original = {p.name: p.read_bytes() for p in REAL_PATCHES.iterdir()}
     assert sorted(exported) == sorted(original)
     for name in original:
         assert exported[name] == original[name], f"export changed {name}"
     assert stack.git(tree, "status", "--porcelain") == ""
-    assert stack.check() == []
+    assert stack.check(base) == []
 
 
 # -- check ---------------------------------------------------------------------------------------
 
 
 @pytest.fixture
-def tree(project: Path) -> Path:
-    return stack.materialize()
+def tree(base: stack.Base) -> Path:
+    return stack.materialize(base)
 
 
-def test_check_detects_uncommitted_edit(tree, capsys):
+def test_check_detects_uncommitted_edit(base, tree, capsys):
     engine = tree / "deepspeed" / "runtime" / "engine.py"
     engine.write_text(engine.read_text() + "# an edit\n")
-    problems = stack.check()
+    problems = stack.check(base)
     assert len(problems) == 1 and "uncommitted changes" in problems[0] and "engine.py" in problems[0]
     assert stack.main(["check"]) == 1
     assert "stack check failed" in capsys.readouterr().err
 
 
-def test_check_detects_unexported_commit(tree):
+def test_check_detects_unexported_commit(base, tree):
     (tree / "new_file.py").write_text("x = 1\n")
     stack.git(tree, "add", "new_file.py")
-    stack.git(tree, "commit", "--quiet", "--fixup", stack.read_series()[-1].name)
-    problems = stack.check()
+    stack.git(tree, "commit", "--quiet", "--fixup", base.series()[-1].name)
+    problems = stack.check(base)
     assert len(problems) == 1 and "unexported commits" in problems[0], problems
 
 
-def test_check_detects_amended_pr(tree):
+def test_check_detects_amended_pr(base, tree):
     (tree / "new_file.py").write_text("x = 1\n")
     stack.git(tree, "add", "new_file.py")
     stack.git(tree, "commit", "--quiet", "--amend", "--no-edit")
-    problems = stack.check()
+    problems = stack.check(base)
     assert len(problems) == 1 and "differs from" in problems[0] and "stack.py export" in problems[0], problems
 
 
-def test_check_detects_patch_that_does_not_apply(project):
-    patch = stack.read_series()[0].path
+def test_check_detects_patch_that_does_not_apply(base):
+    patch = base.series()[0].path
     lines = patch.read_bytes().split(b"\n")
     hunk = next(i for i, line in enumerate(lines) if line.startswith(b"@@ "))
     context = next(i for i in range(hunk + 1, len(lines)) if lines[i].startswith(b" "))
     lines[context] = b" this context line is not in the pristine file"
     patch.write_bytes(b"\n".join(lines))
-    problems = stack.check()
+    problems = stack.check(base)
     assert any("does not apply" in p for p in problems), problems
 
 
 # -- --upto K --------------------------------------------------------------------------------------
 
 
-def test_upto_k_materializes_exactly_k_prs(project):
+def test_upto_k_materializes_exactly_k_prs(project, base):
     """A synthetic two-PR series on the real sdist: prefix K has exactly K commits, tagged."""
-    series = project / "patches" / "series"
-    for patch in (project / "patches").glob("*.patch"):
+    series = base.series_file
+    for patch in base.folder.glob("*.patch"):
         patch.unlink()
     series.write_text("# test series\nalpha placeholder\nbeta placeholder\n")
-    base = stack.materialize(project / "base", upto=0)
-    assert stack.stack_commits(base) == []
+    pristine = stack.materialize(base, project / "base", upto=0)
+    assert stack.stack_commits(pristine) == []
     for name in ("alpha", "beta"):
-        (base / f"series-{name}.txt").write_text(f"{name}\n")
-        stack.git(base, "add", f"series-{name}.txt")
-        stack.git(base, "commit", "--quiet", "-m", f"Add {name}")
-    assert [p.title for p in stack.export(base)] == ["Add alpha", "Add beta"]
+        (pristine / f"series-{name}.txt").write_text(f"{name}\n")
+        stack.git(pristine, "add", f"series-{name}.txt")
+        stack.git(pristine, "commit", "--quiet", "-m", f"Add {name}")
+    assert [p.title for p in stack.export(base, pristine)] == ["Add alpha", "Add beta"]
     assert series.read_text() == "# test series\nalpha Add alpha\nbeta Add beta\n"
 
     for k, names in ((1, ["alpha"]), (2, ["alpha", "beta"])):
-        tree = stack.materialize(project / f"upto-{k}", upto=k)
+        tree = stack.materialize(base, project / f"upto-{k}", upto=k)
         commits = stack.stack_commits(tree)
         assert [stack.commit_subject(tree, c) for c in commits] == [f"Add {n}" for n in names]
         assert _tags(tree) == {stack.UPSTREAM_TAG, *names}
         assert sorted(p.name for p in tree.glob("series-*.txt")) == [f"series-{n}.txt" for n in names]
     with pytest.raises(stack.StackError, match="between 0 and 2"):
-        stack.materialize(project / "upto-3", upto=3)
+        stack.materialize(base, project / "upto-3", upto=3)
 
 
 @pytest.mark.parametrize("k", [0, 1, 3])
 def test_build_env_names_the_prefix(k):
-    env = stack.build_env(k)
+    env = stack.build_env(BASE, k)
     # Literal: tools/test.sh and .ci/run expect exactly these strings.
     assert env["DS_BUILD_STRING"] == f"+unmanagedga.{k}"
-    assert stack.version_for(k) == f"0.19.3+unmanagedga.{k}"
+    assert stack.version_for(BASE, k) == f"0.19.3+unmanagedga.{k}"
 
 
-def test_install_upto_1_installs_that_prefix(project, tmp_path, monkeypatch):
+def test_install_upto_1_installs_that_prefix(base, tmp_path, monkeypatch):
     """A real `install --upto 1`, redirected into a target folder instead of the running environment."""
     target = tmp_path / "site"
     real_run = subprocess.run
@@ -233,20 +241,20 @@ def test_install_upto_1_installs_that_prefix(project, tmp_path, monkeypatch):
     assert [c for c in pip_calls if "uninstall" in c], "install must first remove the installed deepspeed"
     [install_cmd] = [c for c in pip_calls if "install" in c]
     assert "--editable" not in install_cmd
-    prefix = project / "build" / "deepspeed-upto-1"
+    prefix = base.prefix_dir / "deepspeed-upto-1"
     assert len(stack.stack_commits(prefix)) == 1
     installed = (target / "deepspeed" / "git_version_info_installed.py").read_text()
-    assert f"version='{stack.version_for(1)}'" in installed
+    assert f"version='{stack.version_for(base, 1)}'" in installed
     for rel in ("runtime/engine.py", "runtime/config.py", "runtime/constants.py"):
         assert (target / "deepspeed" / rel).read_bytes() == (prefix / "deepspeed" / rel).read_bytes(), rel
 
 
 # -- submit: the submitter signs the PRs (DCO) ----------------------------------------------------------------
-def test_submit_signs_every_pr_with_the_submitter_and_leaves_patches_alone(project, tmp_path, monkeypatch):
-    before = {p.name: p.read_bytes() for p in (project / "patches").iterdir()}
+def test_submit_signs_every_pr_with_the_submitter_and_leaves_patches_alone(base, tmp_path, monkeypatch):
+    before = {p.name: p.read_bytes() for p in base.folder.iterdir()}
     out = tmp_path / "outbox"
-    written = stack.submit(out, "Jane Doe <jane@example.com>")
-    series = stack.read_series()
+    written = stack.submit(base, out, "Jane Doe <jane@example.com>")
+    series = base.series()
     assert [p.name for p in written] == [f"{p.index:04d}-{p.name}.patch" for p in series]
     for path, patch in zip(written, series):
         text = path.read_text()
@@ -254,51 +262,56 @@ def test_submit_signs_every_pr_with_the_submitter_and_leaves_patches_alone(proje
         assert text.count("Signed-off-by:") == 1 and "Signed-off-by: Jane Doe <jane@example.com>\n" in text
         # the same change and message otherwise: applies with git am, keeps the subject and the sections
         assert f"Subject: {patch.title}\n" in text and "\n## Testing\n" in text
-    tree = stack.materialize(tmp_path / "tree", upto=0)
+    tree = stack.materialize(base, tmp_path / "tree", upto=0)
     stack.git(tree, "am", "--quiet", *map(str, written))
     assert stack.git(tree, "log", "--format=%an <%ae>", "upstream..HEAD").split("\n")[:-1] == \
         ["Jane Doe <jane@example.com>"] * len(series)
-    assert {p.name: p.read_bytes() for p in (project / "patches").iterdir()} == before
+    assert {p.name: p.read_bytes() for p in base.folder.iterdir()} == before
     # default: the submitter's own git identity; none at all is a clear error
     config = tmp_path / "gitconfig"
     config.write_text("[user]\n\tname = Sam Sender\n\temail = sam@example.org\n")
     monkeypatch.setenv("GIT_CONFIG_GLOBAL", str(config))
     monkeypatch.setenv("GIT_CONFIG_NOSYSTEM", "1")
     monkeypatch.chdir(tmp_path)  # outside any repository with a local identity
-    assert "Signed-off-by: Sam Sender <sam@example.org>" in stack.submit(tmp_path / "again")[0].read_text()
+    assert "Signed-off-by: Sam Sender <sam@example.org>" in stack.submit(base, tmp_path / "again")[0].read_text()
     config.write_text("")
     with pytest.raises(stack.StackError, match="user.name and user.email"):
-        stack.submit(tmp_path / "none")
+        stack.submit(base, tmp_path / "none")
     with pytest.raises(stack.StackError, match="Name <email>"):
-        stack.submit(tmp_path / "bad", "jane")
+        stack.submit(base, tmp_path / "bad", "jane")
 
 
 # -- bases: one series per upstream release ------------------------------------------------------
 
 
-@pytest.fixture
-def other_base():
-    """Switch the module to another base for one test, then back to the default."""
-    yield stack.use_base
-    stack.use_base(stack.DEFAULT_BASE)
-
-
-def test_every_base_folder_pins_its_release_and_names_its_series(other_base):
+def test_every_base_folder_pins_its_release_and_names_its_series():
     assert stack.available_bases()[0] == stack.DEFAULT_BASE
     for version in stack.available_bases():
-        base = other_base(version)
+        base = stack.load_base(version)
         assert base.folder == ROOT / "patches" / f"deepspeed-{version}"
         assert re.fullmatch(r"[0-9a-f]{64}", base.sha256)
-        assert stack.SERIES_FILE == base.folder / "series" and stack.SERIES_FILE.is_file()
-        assert stack.TREE_DIR == ROOT / "deepspeed-src" / version
-        assert stack.version_for(2) == f"{version}+{base.series_tag}.2"
-    tags = [other_base(v).series_tag for v in stack.available_bases()]
+        assert base.series_file == base.folder / "series" and base.series_file.is_file()
+        assert base.tree_dir == ROOT / "deepspeed-src" / version
+        assert stack.version_for(base, 2) == f"{version}+{base.series_tag}.2"
+    tags = [stack.load_base(v).series_tag for v in stack.available_bases()]
     assert len(set(tags)) == len(tags), "each series needs its own version label"
 
 
-def test_unknown_base_is_a_clear_error_listing_the_known_ones(other_base, capsys):
+def test_a_bad_base_fails_where_it_is_used_not_on_import(monkeypatch, capsys):
+    """The module holds no base: every command takes one, so importing it cannot fail on $DS_SERIES_BASE."""
+    monkeypatch.setenv(stack.BASE_ENV, "0.1.0")
+    result = subprocess.run([sys.executable, "-c", "from ds_series import stack; print(stack.DEFAULT_BASE)"],
+                            capture_output=True, text=True)
+    assert result.returncode == 0 and result.stdout.strip() == stack.DEFAULT_BASE, result.stderr
+    with pytest.raises(stack.StackError, match=r"\$DS_SERIES_BASE: no series for deepspeed '0\.1\.0'"):
+        stack.default_base()
+    assert stack.main(["version"]) == 1
+    assert "DS_SERIES_BASE" in capsys.readouterr().err
+
+
+def test_unknown_base_is_a_clear_error_listing_the_known_ones(capsys):
     with pytest.raises(stack.StackError, match=r"no series for deepspeed '0\.1\.0'.*bases: 0\.19\.3"):
-        other_base("0.1.0")
+        stack.load_base("0.1.0")
     assert stack.main(["--base", "0.1.0", "check"]) == 1
     assert "base.toml does not exist" in capsys.readouterr().err
 
@@ -309,15 +322,13 @@ def _base_with_extras(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sdist: Pa
     (source / "tests").mkdir(parents=True)
     (source / "tests" / "conftest.py").write_text("# upstream's\n")
     extras = stack.Extras(source, "0" * 40, {"tests/conftest.py": stack.sha256_of(source / "tests" / "conftest.py")})
-    base = stack.Base(stack.UPSTREAM_VERSION, stack.UPSTREAM_SHA256, stack.SERIES_TAG, stack.PATCHES_DIR, extras)
-    monkeypatch.setattr(stack, "BASE", base)
     monkeypatch.setenv(stack.SDIST_ENV, str(sdist))
-    return base
+    return dataclasses.replace(BASE, extras=extras)
 
 
 def test_upstream_files_are_laid_in_below_the_upstream_tag(tmp_path, monkeypatch, sdist):
-    _base_with_extras(tmp_path, monkeypatch, sdist)
-    tree = stack.materialize(tmp_path / "tree", upto=0)
+    base = _base_with_extras(tmp_path, monkeypatch, sdist)
+    tree = stack.materialize(base, tmp_path / "tree", upto=0)
     assert (tree / "tests" / "conftest.py").read_text() == "# upstream's\n"
     assert stack.git(tree, "rev-list", "--count", stack.UPSTREAM_TAG).strip() == "2"
     assert "not in the sdist" in stack.commit_subject(tree, stack.UPSTREAM_TAG)
@@ -327,42 +338,40 @@ def test_upstream_files_are_pinned_and_required_for_a_development_tree(tmp_path,
     base = _base_with_extras(tmp_path, monkeypatch, sdist)
     (base.extras.source / "tests" / "conftest.py").write_text("# edited\n")
     with pytest.raises(stack.StackError, match="sha256 .*expected"):
-        stack.materialize(tmp_path / "edited", upto=0)
+        stack.materialize(base, tmp_path / "edited", upto=0)
     (base.extras.source / "tests" / "conftest.py").write_text("# upstream's\n")
     mirror = tmp_path / "mirror"
     shutil.copytree(base.extras.source, mirror / base.extras.commit)
     shutil.rmtree(base.extras.source)
     monkeypatch.setenv(stack.CACHE_ENV, str(tmp_path / "cache"))
     with pytest.raises(stack.StackError, match=re.escape(stack.EXTRAS_ENV)):
-        stack.materialize(tmp_path / "missing", upto=0)
+        stack.materialize(base, tmp_path / "missing", upto=0)
     # A wheel needs only deepspeed/: without the folder the tree is built without those files.
-    tree = stack.materialize(tmp_path / "wheel", upto=0, require_extras=False)
+    tree = stack.materialize(base, tmp_path / "wheel", upto=0, require_extras=False)
     assert not (tree / "tests").exists()
     assert stack.git(tree, "rev-list", "--count", stack.UPSTREAM_TAG).strip() == "1"
     # With a download address they are fetched once into the cache, and checked there.
     url = f"file://{mirror}/{{commit}}/{{path}}"
     extras = stack.Extras(base.extras.source, base.extras.commit, base.extras.sha256, url)
-    monkeypatch.setattr(stack, "BASE", stack.Base(base.version, base.sha256, base.series_tag, base.folder, extras))
-    tree = stack.materialize(tmp_path / "downloaded", upto=0)
+    tree = stack.materialize(dataclasses.replace(base, extras=extras), tmp_path / "downloaded", upto=0)
     assert (tree / "tests" / "conftest.py").read_text() == "# upstream's\n"
     assert (tmp_path / "cache" / "upstream-files" / base.extras.commit / "tests" / "conftest.py").is_file()
 
 
-def test_check_without_upstream_files_applies_every_pr_without_its_tests_and_docs(other_base, tmp_path, monkeypatch):
+def test_check_without_upstream_files_applies_every_pr_without_its_tests_and_docs(tmp_path, monkeypatch):
     """``stack.py check --without-upstream-files`` (CI where upstream's files are unavailable) leaves out the PRs'
     hunks there, as the wheel build does, instead of failing on the first PR that edits upstream's tests."""
     checked = 0
     for version in stack.available_bases():
-        base = other_base(version)
+        base = stack.load_base(version)
         if base.extras is None:
             continue
         checked += 1
-        monkeypatch.setenv(stack.SDIST_ENV, str(stack.fetch()))
+        monkeypatch.setenv(stack.SDIST_ENV, str(stack.fetch(base)))
         monkeypatch.setenv(stack.CACHE_ENV, str(tmp_path / version / "cache"))
         missing = dataclasses.replace(base.extras, source=tmp_path / "missing")
-        monkeypatch.setattr(stack, "BASE", dataclasses.replace(base, extras=missing))
-        monkeypatch.setattr(stack, "REQUIRE_EXTRAS", False)
-        assert stack.check(tmp_path / version / "no-tree") == []
+        without = dataclasses.replace(base, extras=missing, require_extras=False)
+        assert stack.check(without, tmp_path / version / "no-tree") == []
     assert checked, "no base has upstream files: nothing was checked"
 
 

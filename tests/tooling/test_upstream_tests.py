@@ -1,4 +1,4 @@
-"""Tests of tools/upstream_tests.py's rules (tooling): the verdict per test id, one outcome from pytest's
+"""Tests of ds_series.upstream_tests' rules (tooling): the verdict per test id, one outcome from pytest's
 phase reports, which changed test functions the CI subset keeps whole, and the plugin's one-per-function
 selection. Nothing is installed and no DeepSpeed test runs here; the comparison itself is run on demand and by CI.
 """
@@ -15,10 +15,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tools"))
 
-import upstream_tests as ut  # noqa: E402
+from ds_series import upstream_tests as ut
 
 
 def _side(name: str, outcomes: dict[str, str], collect_errors: dict[str, str] | None = None) -> ut.Side:
@@ -136,11 +134,10 @@ def test_plugin_keeps_one_parametrization_per_function(tmp_path: Path):
     (tmp_path / "done.txt").write_text("test_p.py::test_whole[1]\n")
     events = tmp_path / "events.jsonl"
     result = subprocess.run([
-        sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "upstream_tests_plugin",
+        sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "ds_series.upstream_tests_plugin",
         "--upstream-tests-one-per-function=whole.txt", "--upstream-tests-done=done.txt", "-v", "-m",
         "not sequential", "-p", "no:warnings", "test_p.py"
-    ], cwd=tmp_path, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT / "tools"),
-                                                          "DS_UPSTREAM_TESTS_LOG": str(events)})
+    ], cwd=tmp_path, capture_output=True, text=True, env={**os.environ, "DS_UPSTREAM_TESTS_LOG": str(events)})
     assert result.returncode == 0, result.stdout + result.stderr
     assert "2 passed, 4 deselected" in result.stdout
     lines = [json.loads(line) for line in events.read_text().splitlines()]
@@ -150,7 +147,7 @@ def test_plugin_keeps_one_parametrization_per_function(tmp_path: Path):
 
 
 def test_runner_and_plugin_agree_on_names():
-    import upstream_tests_plugin as plugin
+    from ds_series import upstream_tests_plugin as plugin
 
     assert (ut.PLUGIN, ut.PLUGIN_LOG_ENV, ut.PLUGIN_PRELOAD_ENV) == (plugin.__name__, plugin.LOG_ENV, plugin.PRELOAD_ENV)
 
@@ -173,10 +170,10 @@ def test_plugin_keeps_listed_ids(tmp_path: Path):
     (tmp_path / "whole.txt").write_text("test_k.py::test_changed\n")
     (tmp_path / "keep.txt").write_text("test_k.py::test_dup[2]\n")
     result = subprocess.run([
-        sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "upstream_tests_plugin",
+        sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "ds_series.upstream_tests_plugin",
         "--upstream-tests-one-per-function=whole.txt", "--upstream-tests-keep=keep.txt", "-v", "-p", "no:warnings",
         "test_k.py"
-    ], cwd=tmp_path, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT / "tools")})
+    ], cwd=tmp_path, capture_output=True, text=True, env=os.environ)
     assert "2 passed, 3 deselected" in result.stdout, result.stdout
     result_lines = [line for line in result.stdout.splitlines() if "PASSED" in line]
     assert [line.split(" ")[0] for line in result_lines] == ["test_k.py::test_dup[2]", "test_k.py::test_changed"]
@@ -243,7 +240,7 @@ def test_run_side_stops_at_the_time_limit_and_reruns_only_listed_ids(tmp_path: P
         def test_after():
             pass
         """))
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "tools"), "TORCH_EXTENSIONS_DIR": str(tmp_path / "ops")}
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path / "ops")}
     side = ut.Side("series", 1)
     ut.run_side(Path(sys.executable), tmp_path / "side", ["test_t.py"], env, timeout=120, side=side,
                 deadline=time.monotonic() + 15)
@@ -278,10 +275,9 @@ def test_a_terminated_runner_kills_its_pytest_session(tmp_path: Path):
     runner = textwrap.dedent(f"""
         import signal, sys, time
         from pathlib import Path
-        sys.path.insert(0, {str(ROOT / "tools")!r})
-        import upstream_tests as ut
+        from ds_series import upstream_tests as ut
         signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
-        env = dict(__import__("os").environ, PYTHONPATH={str(ROOT / "tools")!r}, TORCH_EXTENSIONS_DIR={str(tmp_path)!r})
+        env = dict(__import__("os").environ, TORCH_EXTENSIONS_DIR={str(tmp_path)!r})
         ut.run_side(Path(sys.executable), Path({str(tmp_path / "side")!r}), ["test_s.py"], env, 300, ut.Side("s", 1))
         """)
     proc = subprocess.Popen([sys.executable, "-c", runner])

@@ -1,15 +1,15 @@
 """With the flag absent, DeepSpeed computes bitwise what it computes without the unmanaged PRs.
 
-The reference is computed on this machine (``support.pristine``): the pinned sdist plus the series'
+The reference is computed on this machine (``ds_harness.support.pristine``): the pinned sdist plus the series'
 bug-fix PRs only, imported from its folder, runs the same fixed managed-mode cases
-(``support.reference_run.CASES``) as the installed DeepSpeed. The first session on a machine computes
+(``ds_harness.support.reference_run.CASES``) as the installed DeepSpeed. The first session on a machine computes
 and caches it; nothing machine-specific is committed.
 """
 
 import pytest
 
-from support.pristine import reference_results
-from support.reference_run import CASES, fixed_run
+from ds_harness.support.pristine import reference_results
+from ds_harness.support.reference_run import CASES, fixed_run
 
 pytestmark = pytest.mark.pr("zero-0-1")
 

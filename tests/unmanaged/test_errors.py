@@ -5,8 +5,8 @@ import re
 import pytest
 import torch
 
-from support.paths import PATHS as ZERO_0_1_PATHS
-from support.training import backward, base_config, destroy, forward_loss, initialize, run_unmanaged
+from ds_harness.support.paths import PATHS as ZERO_0_1_PATHS
+from ds_harness.support.training import backward, base_config, destroy, forward_loss, initialize, run_unmanaged
 
 pytestmark = [pytest.mark.pr("zero-0-1"), pytest.mark.world_size(1, 2)]
 
@@ -275,7 +275,7 @@ def _failed_step_is_dropped_body(path_name: str) -> None:
     backward() and step() apply exactly what a fresh engine applies for that backward (a retry would reduce the
     failed step's gradients again and add the new ones to them), and no step timer is left running (with
     wall_clock_breakdown a started timer refuses to start again)."""
-    from support.training import assert_identical, snapshot
+    from ds_harness.support.training import assert_identical, snapshot
 
     engines = [ZERO_0_1_PATHS[path_name].initialize(gas=1, managed=False, wall_clock_breakdown=True) for _ in "ab"]
     failing, reference = engines

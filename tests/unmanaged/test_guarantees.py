@@ -3,10 +3,10 @@ checkpoints, memory, 16-bit export - on every ZeRO stage."""
 
 import pytest
 
-from support import scenarios
-from support.cases import cases
-from support.memory_assertions import assert_same_gradient_memory
-from support.paths import FP16_DYNAMIC, ZERO_0_1_PATHS, ZERO_2_PATHS, ZERO_3_PATHS
+from ds_harness.support import scenarios
+from ds_harness.support.cases import cases
+from ds_harness.support.memory_assertions import assert_same_gradient_memory
+from ds_harness.support.paths import FP16_DYNAMIC, ZERO_0_1_PATHS, ZERO_2_PATHS, ZERO_3_PATHS
 
 ALL = sorted(ZERO_0_1_PATHS) + sorted(ZERO_2_PATHS) + sorted(ZERO_3_PATHS)
 
@@ -86,8 +86,8 @@ def _throughput_reports_the_step(n: int) -> dict:
     import time
 
     import deepspeed.comm as ds_comm
-    from support.paths import PATHS
-    from support.training import MICRO_BATCH, destroy, run_unmanaged
+    from ds_harness.support.paths import PATHS
+    from ds_harness.support.training import MICRO_BATCH, destroy, run_unmanaged
 
     engine = PATHS["zero1-fp32"].initialize(gas=2, managed=False)
     engine.module.register_forward_pre_hook(lambda *_: time.sleep(0.03))
@@ -119,8 +119,8 @@ def _autotuning_metrics_report_the_step(metric_dir: str, n: int) -> dict | None:
     import time
 
     import deepspeed.comm as ds_comm
-    from support.paths import PATHS
-    from support.training import MICRO_BATCH, destroy, run_unmanaged
+    from ds_harness.support.paths import PATHS
+    from ds_harness.support.training import MICRO_BATCH, destroy, run_unmanaged
 
     metric_path = os.path.join(metric_dir, "autotuning_metric.json")
     engine = PATHS["zero1-fp32"].initialize(gas=2,
@@ -163,8 +163,8 @@ def _finalize_hook_body(path_name: str) -> None:
     optimizer (ZeRO-1 and BF16_Optimizer included, whose gradients the engine reduces)."""
     from deepspeed.runtime.base_optimizer import ZeROOptimizer
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
-    from support.paths import PATHS
-    from support.training import destroy, run_unmanaged
+    from ds_harness.support.paths import PATHS
+    from ds_harness.support.training import destroy, run_unmanaged
 
     assert "finalize_gradient_accumulation_boundary" in ZeROOptimizer.__dict__
     # Stage 3 has no boundary-time work of its own: its no-op is the base's

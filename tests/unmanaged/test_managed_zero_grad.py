@@ -6,13 +6,13 @@ ZeRO-1, in 0.19.3 as with the series: PR zero-2 leaves the optimizer's ``zero_gr
 
 import pytest
 
-from support.paths import PATHS
+from ds_harness.support.paths import PATHS
 
 pytestmark = pytest.mark.pr("zero-2")
 
 
 def _discarded_micro_batch_stays_discarded(path_name: str, reference_name: str) -> None:
-    from support.training import assert_params_close, destroy, forward_loss, snapshot
+    from ds_harness.support.training import assert_params_close, destroy, forward_loss, snapshot
 
     results = []
     for name in (path_name, reference_name):

@@ -1,14 +1,14 @@
 """`zero-0-1`, `zero-2`, `zero-3`: N backwards + one step() in unmanaged mode equals managed accumulation, bitwise, on every path.
 
-Each configuration (tests/support/paths.py) is a case marked with the PR that brings its ZeRO stage.
+Each configuration (ds_harness.support.paths) is a case marked with the PR that brings its ZeRO stage.
 """
 
 import pytest
 import torch
 
-from support import scenarios
-from support.cases import cases
-from support.paths import MICS_PATHS, ZERO_0_1_PATHS, ZERO_2_PATHS, ZERO_3_PATHS
+from ds_harness.support import scenarios
+from ds_harness.support.cases import cases
+from ds_harness.support.paths import MICS_PATHS, ZERO_0_1_PATHS, ZERO_2_PATHS, ZERO_3_PATHS
 
 ALL = sorted(ZERO_0_1_PATHS) + sorted(ZERO_2_PATHS) + sorted(ZERO_3_PATHS)
 FULL_BATCH = ["fp32-deepspeed-optimizer", "zero1-fp32", "zero2-fp32", "zero2-overlap-comm", "zero2-all-reduce",

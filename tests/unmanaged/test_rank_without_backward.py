@@ -3,8 +3,8 @@ gets a clear error at once, before any collective (its peers wait in their backw
 
 import pytest
 
-from support.paths import PATHS
-from support.training import backward, destroy, forward_loss, snapshot
+from ds_harness.support.paths import PATHS
+from ds_harness.support.training import backward, destroy, forward_loss, snapshot
 
 FLAG = "managed_gradient_accumulation"
 

@@ -10,10 +10,10 @@ parameters, the host/device traffic of one backward, and the offload options tha
 import pytest
 import torch
 
-from support import scenarios
-from support.offload_paths import OFFLOAD_FP16_DYNAMIC, OFFLOAD_PATHS, ZERO3_OFFLOAD_BRANCHY
-from support.paths import PATHS
-from support.training import (assert_identical, assert_params_close, backward, destroy, forward_loss, run_managed,
+from ds_harness.support import scenarios
+from ds_harness.support.offload_paths import OFFLOAD_FP16_DYNAMIC, OFFLOAD_PATHS, ZERO3_OFFLOAD_BRANCHY
+from ds_harness.support.paths import PATHS
+from ds_harness.support.training import (assert_identical, assert_params_close, backward, destroy, forward_loss, run_managed,
                               run_unmanaged, snapshot)
 
 pytestmark = pytest.mark.pr("zero-offload")
@@ -22,7 +22,7 @@ SMALL = ["zero1-offload", "zero2-offload", "zero3-offload", "zero3-offload-param
 
 
 def _scenario(name, *args):
-    # Runs on the ranks from this module, whose import registers OFFLOAD_PATHS in support.paths.PATHS.
+    # Runs on the ranks from this module, whose import registers OFFLOAD_PATHS in ds_harness.support.paths.PATHS.
     return getattr(scenarios, name)(*args)
 
 
@@ -302,7 +302,7 @@ def test_boundary_work_runs_only_in_step(dist, path_name):
 
 def _config_error(zero: dict, expected: str) -> None:
     from deepspeed.runtime.config import DeepSpeedConfig, DeepSpeedConfigError
-    from support.training import base_config
+    from ds_harness.support.training import base_config
 
     config = base_config(1, managed=False, stage=zero.pop("stage"), zero_optimization=zero)
     with pytest.raises(DeepSpeedConfigError, match="managed_gradient_accumulation=false") as error:
@@ -331,8 +331,8 @@ def _unmanaged_unused_parameters_match_pytorch(stage: int, offload: bool) -> Non
     clipping, a variable N: unmanaged mode equals plain PyTorch (clip over the real gradients, a zero
     gradient for a parameter without one), with and without optimizer offload."""
     import deepspeed.comm as ds_comm
-    from support import pytorch_reference
-    from support.paths import CLIP, Path, make_branchy_model
+    from ds_harness.support import pytorch_reference
+    from ds_harness.support.paths import CLIP, Path, make_branchy_model
 
     zero = {"stage3_param_persistence_threshold": 0} if stage == 3 else {}
     if offload:

@@ -1,0 +1,361 @@
+"""Command line: ``python -m ds_bench run`` measures; ``python -m ds_bench render`` rewrites the table.
+
+    python -m ds_bench run            # the full run: writes benchmarks/results/benchmarks.md and .json
+    python -m ds_bench run --quick    # a smoke run on a tiny model (writes under scratch/ by default)
+    python -m ds_bench render         # re-render benchmarks/results/benchmarks.md from its JSON
+    python -m ds_bench factor         # re-measure only the gradient_divide_factor table into the JSON
+    python -m ds_bench list           # the configurations
+    python -m ds_bench fixcost        # the cost of the bug-fix PRs in managed mode: results/benchmarks-fixcost.md
+
+The pages and their hand-written analyses are committed in ``benchmarks/results/``; a run's JSON (every round and
+rank) is written beside its page and not committed, except ``*-summary.json``, what another page shows of it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS = Path(__file__).resolve().parents[1] / "results"
+DOCS_MD = RESULTS / "benchmarks.md"
+DOCS_JSON = RESULTS / "benchmarks.json"
+QUICK_MD = ROOT / "scratch" / "benchmarks-quick.md"
+QUICK_JSON = ROOT / "scratch" / "benchmarks-quick.json"
+#: The 0.19.8 build's page, which results/benchmarks.md summarizes beside its own (``run`` in the 0.19.8 virtualenv),
+#: from the committed summary of its JSON.
+DOCS_0198_MD = RESULTS / "benchmarks-0.19.8.md"
+FIXCOST_MD = RESULTS / "benchmarks-fixcost.md"
+QUICK_FIXCOST_MD = ROOT / "scratch" / "benchmarks-fixcost-quick.md"
+
+
+def fixcost_md(base: str, quick: bool = False) -> Path:
+    """``fixcost``'s page for ``base`` (0.19.3's keeps its first name; 0.19.8's is benchmarks-fixcost-0.19.8.md)."""
+    page = QUICK_FIXCOST_MD if quick else FIXCOST_MD
+    return page if base == "0.19.3" else page.with_name(f"{page.stem}-{base}.md")
+
+
+def _log(message: str) -> None:
+    print(f"{time.strftime('%H:%M:%S')} {message}", flush=True)
+
+
+def _csv(text: str):
+    return [item.strip() for item in text.split(",") if item.strip()]
+
+
+def _devices(choice: str):
+    if choice != "auto":
+        return [choice]
+    import torch
+    return ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
+
+
+def cmd_run(args) -> int:
+    os.environ.setdefault("DS_BUILD_OPS", "0")
+    import torch
+    from ds_bench import configs, machine, report
+    from ds_bench.model import FULL, TINY
+    from ds_bench.run import Plan, measure_device
+
+    names = _csv(args.configs) if args.configs else [c.name for c in configs.CONFIGURATIONS]
+    unknown = [n for n in names if n not in configs.BY_NAME]
+    if unknown:
+        print(f"unknown configuration(s): {', '.join(unknown)}; see `python -m ds_bench list`", file=sys.stderr)
+        return 2
+    base = machine.deepspeed_series()["version"].partition("+")[0]
+    out_md = Path(args.out) if args.out else (QUICK_MD if args.quick else page_of(base))
+    out_json = Path(args.json) if args.json else out_md.with_suffix(".json")
+    info = machine.describe()
+    print(f"torch {torch.__version__}; {report._series_line(info['deepspeed'])}", flush=True)
+
+    command = "python -m ds_bench " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    data = {
+        "schema": 1,
+        "command": command.strip(),
+        "quick": args.quick,
+        "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "machine": info,
+        "devices": [],
+    }
+    for device in _devices(args.device):
+        world = args.world_size
+        if device == "cuda":
+            world = min(world, torch.cuda.device_count())
+        plan = Plan(device=device,
+                    world_size=world,
+                    configurations=[configs.BY_NAME[n] for n in names],
+                    micro_counts=[int(n) for n in _csv(args.micro)],
+                    rounds=args.rounds or (2 if args.quick else 3),
+                    size=TINY if args.quick else FULL,
+                    dtype=args.dtype or ("bf16" if device == "cuda" else "fp32"),
+                    threads=args.threads,
+                    scratch=ROOT / "scratch" / "benchmarks",
+                    force=bool(args.configs))
+        if args.quick:
+            plan.warmup_steps = 1
+            plan.measure_steps = {n: 2 for n in plan.micro_counts}
+            plan.timing_steps = {n: 4 for n in plan.micro_counts}
+        for item in _csv(args.timing_steps):
+            n_micro, steps = item.split(":")
+            plan.timing_steps[int(n_micro)] = int(steps)
+        # The factor's timing at the default N (1 and 4) where this run measures them, else at its first N.
+        plan.factor_micro_counts = [n for n in plan.factor_micro_counts if n in plan.micro_counts
+                                    ] or plan.micro_counts[:1]
+        data["devices"].append(measure_device(plan, log=_log))
+        data["finished"] = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+        _write(data, out_md, out_json)  # after each device, so a later failure keeps what was measured
+    _log(f"wrote {out_md} and {out_json}")
+    failed = _failed_trials(data)
+    for line in failed:
+        print(f"error: {line}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def _failed_trials(data: dict) -> list:
+    """One line per trial that ended in an error (a refusal by the installed stack is not one)."""
+    failed = []
+    for section in data["devices"]:
+        for cell in section["results"]:
+            where = f"{section['device']} {cell['configuration']} N={cell['n_micro']}"
+            failed += [
+                f"{where} {mode}: {e.get('error')}" for mode, e in cell["modes"].items() if e["status"] == "error"
+            ]
+            if cell.get("timing", {}).get("status") == "error":
+                failed.append(f"{where} timing: {cell['timing'].get('error')}")
+        for cell in section.get("factor", []):
+            if cell["timing"]["status"] == "error":
+                failed.append(f"{section['device']} {cell['configuration']} N={cell['n_micro']} factor timing: "
+                              f"{cell['timing'].get('error')}")
+    return failed
+
+
+def page_of(base: str) -> Path:
+    """The committed page of the build on ``base``: results/benchmarks.md for 0.19.3, results/benchmarks-0.19.8.md."""
+    return DOCS_MD if base == "0.19.3" else DOCS_MD.with_name(f"benchmarks-{base}.md")
+
+
+def _render_page(data: dict, out_md: Path) -> str:
+    """``out_md``'s text: a committed page gets its hand-written analysis, and results/benchmarks.md also the summary
+    of the 0.19.8 build's run beside its own (from that run's committed summary)."""
+    from ds_bench import report
+    report.analyze(data)
+    if out_md.resolve() == DOCS_MD.resolve():
+        beside = summary_path(DOCS_0198_MD.with_suffix(".json"))
+        other = json.loads(beside.read_text()) if beside.is_file() else None
+        return report.render(data, report.ANALYSIS, beside=other, beside_page=DOCS_0198_MD.name)
+    if out_md.resolve() == DOCS_0198_MD.resolve():
+        return report.render(data, report.ANALYSIS.with_name("analysis-0.19.8.md"))
+    return report.render(data)
+
+
+def summary_path(out_json: Path) -> Path:
+    """Where the small, committed summary of the run in ``out_json`` goes: ``<name>-summary.json`` beside it."""
+    return out_json.with_name(f"{out_json.stem}-summary.json")
+
+
+def _write(data: dict, out_md: Path, out_json: Path) -> None:
+    from ds_bench import report
+    text = _render_page(data, out_md)
+    out_json.parent.mkdir(parents=True, exist_ok=True)
+    out_json.write_text(json.dumps(data, indent=1, sort_keys=False) + "\n")
+    summary_path(out_json).write_text(json.dumps(report.summary(data), indent=1) + "\n")
+    out_md.write_text(text)
+
+
+def cmd_render(args) -> int:
+    from ds_bench import report
+    source = Path(args.json)
+    out = Path(args.out) if args.out else source.with_suffix(".md")
+    data = json.loads(source.read_text())
+    out.write_text(_render_page(data, out))
+    summary_path(source).write_text(json.dumps(report.summary(data), indent=1) + "\n")
+    print(f"wrote {out} and {summary_path(source).name}")
+    return 0
+
+
+def cmd_factor(args) -> int:
+    """Re-measure the gradient_divide_factor trials of an existing run and re-render its page."""
+    os.environ.setdefault("DS_BUILD_OPS", "0")
+    from ds_bench import configs
+    from ds_bench.model import ModelSize
+    from ds_bench.run import Plan, measure_factor
+
+    source = Path(args.json)
+    data = json.loads(source.read_text())
+    for section in data["devices"]:
+        s = section["settings"]
+        names = list(dict.fromkeys(c["configuration"] for c in section["results"]))
+        plan = Plan(device=section["device"],
+                    world_size=s["world_size"],
+                    configurations=[configs.BY_NAME[n] for n in names],
+                    size=ModelSize(**s["model"]),
+                    dtype=s["dtype"],
+                    threads=s["threads_per_rank"],
+                    factor_micro_counts=[int(n) for n in _csv(args.micro)],
+                    scratch=ROOT / "scratch" / "benchmarks")
+        section["factor"] = measure_factor(plan, log=_log)
+        s["factor_micro_counts"] = plan.factor_micro_counts
+        data.setdefault("factor_command", "python -m ds_bench factor")
+        data["factor_finished"] = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+        _write(data, Path(args.out), source)
+    print(f"wrote {args.out} and {source}")
+    return 0
+
+
+def cmd_fixcost(args) -> int:
+    """Pristine DeepSpeed against the same release + the series' bug-fix PRs, managed mode: time, memory, collectives.
+
+    The release is the installed DeepSpeed's base (0.19.3 or 0.19.8), whose JIT ops both trees reuse."""
+    from ds_bench import fixcost
+    base = fixcost.installed_base()
+    if base not in fixcost.BASES:
+        print(f"the installed DeepSpeed is built on {base}; fixcost measures {', '.join(fixcost.BASES)}", file=sys.stderr)
+        return 2
+    out_md = Path(args.out) if args.out else fixcost_md(base, args.quick)
+    out_json = Path(args.json) if args.json else out_md.with_suffix(".json")
+    if args.render:
+        _write_fixcost(json.loads(out_json.read_text()), out_md, None)
+        print(f"wrote {out_md}")
+        return 0
+    os.environ.setdefault("DS_BUILD_OPS", "0")
+    import torch
+    from ds_bench import configs, machine
+
+    names = _csv(args.configs) if args.configs else list(fixcost.CONFIGURATIONS)
+    unknown = [n for n in names if n not in configs.BY_NAME]
+    if unknown:
+        print(f"unknown configuration(s): {', '.join(unknown)}; see `python -m ds_bench list`", file=sys.stderr)
+        return 2
+    steps = {1: 2, 4: 1} if args.quick else {1: 10, 4: 5}
+    for item in _csv(args.steps):
+        n_micro, count = item.split(":")
+        steps[int(n_micro)] = int(count)
+    info = machine.describe()
+    del info["deepspeed"]  # the installed one; the builds measured are described by the record's "builds"
+    print(
+        f"torch {torch.__version__}; DeepSpeed {base} pristine against {base} + its bug-fix PRs, "
+        "managed mode",
+        flush=True)
+    data = {
+        "schema": 1,
+        "command": ("python -m ds_bench " + " ".join(shlex.quote(a) for a in sys.argv[1:])).strip(),
+        "quick": args.quick,
+        "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "machine": info,
+    }
+    builds = fixcost.prepare_builds(base, _log)
+    plan = fixcost.make_plan(names, [int(n) for n in _csv(args.micro)], args.rounds, steps, quick=args.quick)
+
+    def save(record: dict) -> None:
+        record["finished"] = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+        _write_fixcost(record, out_md, out_json)
+
+    fixcost.measure(plan, builds, data, base, log=_log, save=save)
+    save(data)
+    _log(f"wrote {out_md} and {out_json}")
+    failed = [
+        f"{c['configuration']} N={c['n_micro']} round {e['round'] + 1} {e.get('role') or ''}: {e['error']}"
+        for c in data["cells"] for e in c["errors"]
+    ]
+    for line in failed:
+        print(f"error: {line}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def _write_fixcost(data: dict, out_md: Path, out_json: Optional[Path]) -> None:
+    from ds_bench import fixcost_report
+    fixcost_report.analyze(data)
+    if out_json is not None:
+        out_json.parent.mkdir(parents=True, exist_ok=True)
+        out_json.write_text(json.dumps(data, indent=1, sort_keys=False) + "\n")
+    base = fixcost_report.base_of(data)
+    analysis = fixcost_report.analysis_of(base) if out_md.resolve() == fixcost_md(base).resolve() else None
+    out_md.parent.mkdir(parents=True, exist_ok=True)
+    out_md.write_text(fixcost_report.render(data, analysis))
+
+
+def cmd_list(args) -> int:
+    from ds_bench import configs
+    for c in configs.CONFIGURATIONS:
+        skipped = f"  (not run by default on: {', '.join(sorted(c.skip_on))})" if c.skip_on else ""
+        print(f"{c.name:20} ZeRO {c.stage}  offload: {c.offload}{skipped}")
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ds_bench", description="The cost of owning the boundary.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="measure (a) managed, (b) unmanaged, (c) toggle for every configuration")
+    run.add_argument("--quick", action="store_true", help="tiny model, 2 rounds: a smoke run (writes under scratch/)")
+    run.add_argument("--configs", default="", help="comma-separated configurations (default: all; see `list`)")
+    run.add_argument("--micro", default="1,4,16", help="micro-batches per logical step (default: 1,4,16)")
+    run.add_argument("--rounds",
+                     type=int,
+                     default=0,
+                     help="mode trials per mode, configuration and N (default: 3; quick: 2)")
+    run.add_argument("--timing-steps",
+                     default="",
+                     help="measured steps per engine of the timing trial, as N:steps,... (default 1:32,4:16,16:8)")
+    run.add_argument("--device",
+                     choices=["auto", "cpu", "cuda"],
+                     default="auto",
+                     help="auto: CPU ranks, and GPU ranks too when CUDA is present")
+    run.add_argument("--world-size", type=int, default=2, help="ranks (default 2; on GPUs at most the GPU count)")
+    run.add_argument("--dtype",
+                     choices=["fp32", "bf16", "fp16"],
+                     default=None,
+                     help="default: fp32 on CPU, bf16 on GPU")
+    run.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
+    run.add_argument("--out",
+                     default=None,
+                     help="Markdown output (default benchmarks/results/benchmarks.md, on 0.19.8 benchmarks-0.19.8.md; "
+                     "quick: scratch/)")
+    run.add_argument("--json", default=None, help="JSON output (default: beside the Markdown)")
+    run.set_defaults(func=cmd_run)
+
+    render = sub.add_parser("render", help="rewrite the Markdown table (and the run's summary) from the JSON")
+    render.add_argument("--json", default=str(DOCS_JSON), help="default benchmarks/results/benchmarks.json "
+                        "(0.19.8's: benchmarks-0.19.8.json)")
+    render.add_argument("--out", default=None, help="default: the JSON's name with .md")
+    render.set_defaults(func=cmd_render)
+
+    factor = sub.add_parser("factor", help="re-measure only the gradient_divide_factor timing (d against b)")
+    factor.add_argument("--json", default=str(DOCS_JSON))
+    factor.add_argument("--out", default=str(DOCS_MD))
+    factor.add_argument("--micro", default="1,4", help="micro-batches per logical step (default: 1,4)")
+    factor.set_defaults(func=cmd_factor)
+
+    fixcost = sub.add_parser("fixcost",
+                             help="pristine DeepSpeed against it + the bug-fix PRs in managed mode (the default), "
+                             "on the installed DeepSpeed's base")
+    fixcost.add_argument("--quick", action="store_true", help="tiny tensors, few steps: a smoke run (under scratch/)")
+    fixcost.add_argument("--configs",
+                         default="",
+                         help="comma-separated configurations (default: z3, z3-opt-cpu, "
+                         "z2-opt-cpu, z1-opt-cpu)")
+    fixcost.add_argument("--micro", default="1,4", help="micro-batches per logical step (default: 1,4)")
+    fixcost.add_argument("--rounds", type=int, default=1, help="rounds (fresh engines) per configuration and N")
+    fixcost.add_argument("--steps", default="", help="measured steps per trial, as N:steps,... (default 1:10,4:5)")
+    fixcost.add_argument("--out", default=None, help="Markdown (default benchmarks/results/benchmarks-fixcost.md, "
+                         "on 0.19.8 benchmarks-fixcost-0.19.8.md; quick: scratch/)")
+    fixcost.add_argument("--json", default=None, help="JSON (default: beside the Markdown)")
+    fixcost.add_argument("--render", action="store_true", help="only rewrite the Markdown from the JSON")
+    fixcost.set_defaults(func=cmd_fixcost)
+
+    listing = sub.add_parser("list", help="list the configurations")
+    listing.set_defaults(func=cmd_list)
+
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

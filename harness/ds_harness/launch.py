@@ -1,0 +1,32 @@
+"""Backend choice and the per-rank environment, as a launcher (torchrun/deepspeed) would set it."""
+
+from __future__ import annotations
+
+import functools
+
+from . import ranks
+from .ranks import free_port  # noqa: F401 - the harness's port source
+
+
+@functools.lru_cache(maxsize=None)
+def gpu_count() -> int:
+    """CUDA devices visible to the pytest process (0 on CPU machines)."""
+    import torch  # deferred: collection of non-distributed tests should not pay for torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def backend() -> str:
+    """NCCL when CUDA GPUs exist, gloo otherwise."""
+    return "nccl" if gpu_count() > 0 else "gloo"
+
+
+def max_world_size() -> int | None:
+    """Largest world size this machine can host: one GPU per rank, unbounded on CPU."""
+    n = gpu_count()
+    return n if n > 0 else None
+
+
+def rank_env(rank: int, world_size: int, port: int, backend_name: str) -> dict[str, str]:
+    """Environment for one rank (``ds_harness.ranks``)."""
+    return ranks.rank_env(rank, world_size, port, cpu=backend_name != "nccl")

@@ -1,0 +1,224 @@
+"""Command line: ``deepspeed-tinker {serve,demo,rl-demo,recipes-demo,rank}`` (or ``python -m deepspeed_tinker``).
+
+``rank`` is one process of a server; ``serve`` starts W of them itself, and ``torchrun`` or the
+``deepspeed`` launcher can start them instead (see docs/tinker-server/deployment.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from .launch import ServerProcess, serve
+from .model import parse_base_model
+
+#: Relative to the working directory the server starts in.
+DEFAULT_CHECKPOINTS = Path("scratch") / "tinker_checkpoints"
+#: Environment variable naming the folder of the demos' clients (default: the checkout's examples/tinker/).
+CLIENTS_ENV = "DEEPSPEED_TINKER_CLIENTS"
+
+
+def _positive_int(value: str) -> int:
+    """An argparse type: a whole number >= 1."""
+    number = int(value)
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return number
+
+
+def _server_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], default=1)
+    parser.add_argument("--checkpoint-dir", type=Path, default=DEFAULT_CHECKPOINTS,
+                        help="where save_weights writes (default: %(default)s)")
+    parser.add_argument("--max-chunk-datums", type=int, default=8,
+                        help="datums per forward_backward chunk the SDK is told to send")
+    parser.add_argument("--no-compress", action="store_true", help="do not ask the SDK to zstd request bodies")
+    parser.add_argument("--long-poll-s", type=float, default=10.0,
+                        help="how long retrieve_future holds a pending request before answering try_again")
+    parser.add_argument("--base-model", action="append", default=[], metavar="[NAME=]PATH",
+                        help="a local Hugging Face causal LM directory to serve (repeatable); clients name it by "
+                        "its absolute path, or by NAME (e.g. the Hugging Face name Qwen/Qwen3-8B) when given")
+    parser.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
+                        help="auto: one GPU per rank with NCCL when CUDA GPUs exist, else the CPU with gloo")
+    parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
+                        help="model weights and compute: fp32, or bf16 (DeepSpeed's bf16 mode: fp32 master weights "
+                        "and Adam state)")
+    parser.add_argument("--gradient-checkpointing", action="store_true",
+                        help="recompute each decoder layer's activations in backward instead of keeping them")
+    parser.add_argument("--keep-checkpoints", type=_positive_int, default=None, metavar="K",
+                        help="keep only each training run's K newest training and K newest sampler checkpoints, "
+                        "deleting older ones after each save (default: keep all)")
+
+
+def _rank_args(args: argparse.Namespace) -> list[str]:
+    out = ["--port", str(args.port), "--zero-stage", str(args.zero_stage), "--checkpoint-dir",
+           str(args.checkpoint_dir), "--max-chunk-datums", str(args.max_chunk_datums), "--long-poll-s",
+           str(args.long_poll_s)]
+    if args.no_compress:
+        out.append("--no-compress")
+    if args.ready_file:
+        out += ["--ready-file", str(args.ready_file)]
+    for value in args.base_model:
+        name, path = parse_base_model(value)
+        resolved = str(Path(path).expanduser().resolve())
+        out += ["--base-model", f"{name}={resolved}" if name else resolved]
+    out += ["--device", args.device, "--host", args.host, "--dtype", args.dtype]
+    if args.gradient_checkpointing:
+        out.append("--gradient-checkpointing")
+    if args.keep_checkpoints is not None:
+        out += ["--keep-checkpoints", str(args.keep_checkpoints)]
+    return out
+
+
+def _client(name: str) -> str:
+    """A demo client script: from ``$DEEPSPEED_TINKER_CLIENTS``, else the examples/tinker/ folder of the checkout this
+    package is installed (editable) from. The clients are examples, not part of the installed server."""
+    folder = Path(os.environ.get(CLIENTS_ENV) or Path(__file__).resolve().parents[2] / "examples" / "tinker")
+    script = folder / name
+    if not script.is_file():
+        raise SystemExit(f"error: the demo client {script} does not exist; set ${CLIENTS_ENV} to the examples/tinker/ "
+                         "folder of a checkout of this project")
+    return str(script)
+
+
+def _demo_device(args: argparse.Namespace) -> str:
+    """The demos run on CPU ranks unless ``--device`` says otherwise (they are sized for 2 CPU cores)."""
+    return "cpu" if args.device == "auto" else args.device
+
+
+def _precision_args(args: argparse.Namespace) -> list[str]:
+    """``--dtype`` and ``--gradient-checkpointing`` for the demos' server."""
+    return ["--dtype", args.dtype, *(["--gradient-checkpointing"] if args.gradient_checkpointing else [])]
+
+
+def _demo(args: argparse.Namespace) -> int:
+    """Start a server on ``--world-size`` CPU ranks, run the SFT client against it, stop the server."""
+    checkpoints = args.checkpoint_dir / "demo"
+    server = ServerProcess(world_size=args.world_size, zero_stage=args.zero_stage, checkpoint_dir=checkpoints,
+                           extra_args=["--max-chunk-datums", "8", "--device", _demo_device(args),
+                                       *_precision_args(args)])
+    print(f"[demo] starting the server on {args.world_size} CPU ranks (ZeRO stage {args.zero_stage})", flush=True)
+    base_url = server.start()
+    try:
+        client = [args.client_python, _client("sft_client.py"), "--base-url", base_url,
+                  "--rank", str(args.rank), "--steps", str(args.steps)]
+        return subprocess.run(client, timeout=args.timeout_s).returncode
+    finally:
+        code = server.stop()
+        print(f"[demo] server stopped (exit code {code})", flush=True)
+
+
+def _rl_demo(args: argparse.Namespace) -> int:
+    """Start a server on ``--world-size`` CPU ranks, run tinker-cookbook's RL loop against it, stop the server."""
+    checkpoints = args.checkpoint_dir / "rl-demo"
+    server = ServerProcess(world_size=args.world_size, zero_stage=args.zero_stage, checkpoint_dir=checkpoints,
+                           extra_args=["--max-chunk-datums", str(args.max_chunk_datums), "--device",
+                                       _demo_device(args), *_precision_args(args)])
+    print(f"[rl-demo] starting the server on {args.world_size} CPU ranks (ZeRO stage {args.zero_stage})", flush=True)
+    base_url = server.start()
+    try:
+        client = [args.client_python, _client("rl_client.py"), "--base-url", base_url,
+                  "--log-dir", str(checkpoints / "cookbook-log")]
+        return subprocess.run(client, timeout=args.timeout_s).returncode
+    finally:
+        code = server.stop()
+        print(f"[rl-demo] server stopped (exit code {code})", flush=True)
+
+
+def _recipes_demo(args: argparse.Namespace) -> int:
+    """Serve a tiny random Qwen3 as ``Qwen/Qwen3-8B`` on ``--world-size`` CPU ranks, run tinker-cookbook's
+    ``recipes/sl_basic`` against it unmodified (recipes_client.py), stop the server."""
+    from .tiny_models import build_tiny_model
+
+    checkpoints = args.checkpoint_dir / "recipes-demo"
+    model_dir = build_tiny_model(checkpoints / "qwen3-tiny", "qwen3")
+    server = ServerProcess(world_size=args.world_size, zero_stage=args.zero_stage, checkpoint_dir=checkpoints,
+                           extra_args=["--base-model", f"Qwen/Qwen3-8B={model_dir}", "--device", _demo_device(args),
+                                       *_precision_args(args)])
+    print(f"[recipes-demo] starting the server on {args.world_size} CPU ranks (ZeRO stage {args.zero_stage})",
+          flush=True)
+    base_url = server.start()
+    try:
+        client = [args.client_python, _client("recipes_client.py"), "--base-url", base_url,
+                  "--model-dir", str(model_dir), "--log-dir", str(checkpoints / "cookbook-log"), "--steps",
+                  str(args.steps)]
+        return subprocess.run(client, timeout=args.timeout_s).returncode
+    finally:
+        code = server.stop()
+        print(f"[recipes-demo] server stopped (exit code {code})", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="deepspeed-tinker",
+                                     description="A Tinker-protocol training server on DeepSpeed (unmanaged mode).")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    serve_cmd = commands.add_parser("serve", help="serve from W local ranks until SIGTERM/SIGINT")
+    serve_cmd.add_argument("--world-size", type=int, default=None,
+                           help="ranks: default one per CUDA GPU, or 2 on the CPU")
+    serve_cmd.add_argument("--port", type=int, default=8000, help="0 picks a free port")
+    serve_cmd.add_argument("--host", default="127.0.0.1", help="interface to serve HTTP on (default: loopback only)")
+    serve_cmd.add_argument("--ready-file", type=Path, help="rank 0 writes {base_url, pid} here once serving")
+    _server_options(serve_cmd)
+
+    demo_cmd = commands.add_parser("demo", help="server on 2 CPU ranks + the SDK's SFT client, then stop")
+    demo_cmd.add_argument("--world-size", type=int, default=2)
+    demo_cmd.add_argument("--steps", type=int, default=8)
+    demo_cmd.add_argument("--rank", type=int, default=16, help="LoRA rank; 0 for full fine-tuning")
+    demo_cmd.add_argument("--client-python", default=sys.executable,
+                          help="Python that has the tinker SDK (default: this one)")
+    demo_cmd.add_argument("--timeout-s", type=float, default=900)
+    _server_options(demo_cmd)
+
+    rl_cmd = commands.add_parser("rl-demo", help="server on 2 CPU ranks + tinker-cookbook's RL loop, then stop")
+    rl_cmd.add_argument("--world-size", type=int, default=2)
+    rl_cmd.add_argument("--client-python", default=sys.executable,
+                        help="Python that has tinker-cookbook (default: this one)")
+    rl_cmd.add_argument("--timeout-s", type=float, default=900)
+    _server_options(rl_cmd)
+
+    recipes_cmd = commands.add_parser("recipes-demo",
+                                      help="server on 2 CPU ranks + tinker-cookbook's recipes/sl_basic, unmodified, "
+                                      "on a tiny Qwen3 served as Qwen/Qwen3-8B, then stop")
+    recipes_cmd.add_argument("--world-size", type=int, default=2)
+    recipes_cmd.add_argument("--steps", type=int, default=8)
+    recipes_cmd.add_argument("--client-python", default=sys.executable,
+                             help="Python that has tinker-cookbook (default: this one)")
+    recipes_cmd.add_argument("--timeout-s", type=float, default=900)
+    _server_options(recipes_cmd)
+
+    rank_cmd = commands.add_parser("rank", help="one rank of a server: `serve` starts these; so can torchrun "
+                                   "or the deepspeed launcher (RANK, WORLD_SIZE, MASTER_ADDR/PORT from them)")
+    rank_cmd.add_argument("--port", type=int, default=8000, help="rank 0's HTTP port; 0 picks a free one")
+    rank_cmd.add_argument("--host", default="127.0.0.1", help="interface rank 0 serves HTTP on")
+    rank_cmd.add_argument("--ready-file", type=Path)
+    _server_options(rank_cmd)
+
+    # The deepspeed launcher passes --local_rank=N before the command (LOCAL_RANK is in the environment too).
+    parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.command == "serve":
+        return serve(args.world_size, _rank_args(args), device=args.device)
+    if args.command == "demo":
+        return _demo(args)
+    if args.command == "rl-demo":
+        return _rl_demo(args)
+    if args.command == "recipes-demo":
+        return _recipes_demo(args)
+    from ds_harness.ranks import exit_rank
+    from .server import RankOptions, run_rank
+
+    code = run_rank(RankOptions(port=args.port, zero_stage=args.zero_stage, checkpoint_root=args.checkpoint_dir,
+                                ready_file=args.ready_file, max_chunk_datums=args.max_chunk_datums,
+                                compress_fwdbwd=not args.no_compress, long_poll_s=args.long_poll_s,
+                                base_models=tuple(args.base_model), host=args.host, device=args.device,
+                                dtype=args.dtype, gradient_checkpointing=args.gradient_checkpointing,
+                                keep_checkpoints=args.keep_checkpoints))
+    exit_rank(code)  # a rank that stopped cleanly skips interpreter teardown
+
+
+if __name__ == "__main__":
+    sys.exit(main())

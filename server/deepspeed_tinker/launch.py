@@ -1,0 +1,135 @@
+"""Start the W rank processes of a server on this machine, and start/stop a whole server by PID.
+
+The quick start, with no launcher dependency: each rank gets the environment torch.distributed
+and DeepSpeed read (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_SIZE, MASTER_ADDR, MASTER_PORT; on the CPU
+DS_ACCELERATOR=cpu, since DeepSpeed's CPU accelerator reports its device count from LOCAL_SIZE).
+With CUDA GPUs it starts one rank per GPU. ``torchrun`` and ``deepspeed`` start the same ranks
+across nodes (docs/tinker-server/deployment.md).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from ds_harness import ranks
+from ds_harness.ranks import free_port  # noqa: F401 - re-exported for the server's tests
+
+
+def cuda_device_count() -> int:
+    """GPUs this machine offers torch (0 without CUDA)."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def serve(world_size: int | None, rank_args: list[str], grace_s: float = 90.0, device: str = "auto") -> int:
+    """Run ``world_size`` ranks until they exit; SIGTERM/SIGINT stop them through rank 0.
+
+    Without ``world_size``: one rank per CUDA GPU, or 2 CPU ranks where there is none (or with
+    ``device="cpu"``). Rank 0 finishes the job in hand, tells the other ranks to stop, and everyone
+    exits 0. A rank that dies takes the others down with it (they would wait on it forever).
+    """
+    gpus = 0 if device == "cpu" else cuda_device_count()
+    if device == "cuda" and not gpus:
+        print("[tinker-server] --device cuda, but torch sees no CUDA device", file=sys.stderr)
+        return 2
+    if world_size is None:
+        world_size = gpus or 2
+    elif gpus and world_size > gpus:
+        print(f"[tinker-server] {world_size} ranks but {gpus} GPUs: one rank per GPU (pass --device cpu for CPU "
+              "ranks)", file=sys.stderr)
+        return 2
+    command = [sys.executable, "-m", "deepspeed_tinker", "rank", *rank_args]
+    # Models come from local configs; never reach for a hub.
+    rank_procs = ranks.start_ranks(command, world_size, cpu=not gpus, env={"HF_HUB_OFFLINE": "1", **os.environ})
+    stop_requested: list[float] = []
+
+    def request_stop(*_: object) -> None:
+        if not stop_requested:
+            stop_requested.append(time.monotonic())
+            if rank_procs[0].poll() is None:
+                rank_procs[0].send_signal(signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, request_stop)
+    signal.signal(signal.SIGINT, request_stop)
+    while True:
+        codes = [r.poll() for r in rank_procs]
+        if all(c is not None for c in codes):
+            break
+        failed = any(c not in (None, 0) for c in codes)
+        overdue = stop_requested and time.monotonic() - stop_requested[0] > grace_s
+        if failed or overdue:
+            for r in rank_procs:
+                if r.poll() is None:
+                    ranks.kill_tree(r.pid)
+        time.sleep(0.2)
+    return next((c for c in codes if c), 0)
+
+
+class ServerProcess:
+    """A whole server (launcher + ranks) as one child process group, stopped by PID.
+
+    Used by the demo and the tests: ``start()`` returns once rank 0 is serving.
+    """
+
+    def __init__(self, *, world_size: int = 2, zero_stage: int = 1, checkpoint_dir: Path,
+                 extra_args: list[str] | None = None, log_path: Path | None = None) -> None:
+        self.args = ["serve", "--world-size", str(world_size), "--zero-stage", str(zero_stage), "--port", "0",
+                     "--checkpoint-dir", str(checkpoint_dir), *(extra_args or [])]
+        self.log_path = log_path
+        self.process: subprocess.Popen[bytes] | None = None
+        self.base_url = ""
+
+    def start(self, timeout_s: float = 300.0) -> str:
+        ready = Path(tempfile.mkdtemp(prefix="tinker-ready-")) / "ready.json"
+        out = None
+        if self.log_path is not None:
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            out = open(self.log_path, "ab")
+        try:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "deepspeed_tinker", *self.args, "--ready-file", str(ready)],
+                stdout=out, stderr=subprocess.STDOUT if out else None, start_new_session=True)
+        finally:
+            if out is not None:
+                out.close()  # the child has its own handle
+        deadline = time.monotonic() + timeout_s
+        while not ready.exists():
+            if self.process.poll() is not None:
+                raise RuntimeError(f"server exited with {self.process.returncode} before serving")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise TimeoutError(f"server not ready after {timeout_s} s")
+            time.sleep(0.1)
+        self.base_url = json.loads(ready.read_text())["base_url"]
+        ready.unlink()
+        ready.parent.rmdir()
+        return self.base_url
+
+    def stop(self, timeout_s: float = 120.0) -> int | None:
+        """SIGTERM the launcher (a clean stop); kill it and its ranks if it hangs."""
+        if self.process is None:
+            return None
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                pass
+        ranks.kill_tree(self.process.pid)  # and whatever ranks a launcher that did not stop cleanly left behind
+        self.process.wait()
+        return self.process.returncode
+
+    def __enter__(self) -> "ServerProcess":
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

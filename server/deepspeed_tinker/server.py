@@ -1,0 +1,232 @@
+"""One rank of the server. Rank 0 serves HTTP and drives; every rank trains and samples.
+
+Rank 0 takes jobs from the scheduler in order, broadcasts each to all ranks, runs its own share
+and gathers the others' parts. The other ranks only follow that broadcast, so every rank sees the
+same commands in the same order and DeepSpeed's collectives line up.
+
+A rank reads only the standard launcher environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
+MASTER_PORT), so the same entry point runs under this package's own launcher, ``torchrun`` and
+DeepSpeed's ``deepspeed`` launcher, on one node or several. With CUDA GPUs (and ``--device``
+``auto`` or ``cuda``) each rank takes the GPU of its LOCAL_RANK and the ranks talk NCCL; otherwise
+gloo on the CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import warnings
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ds_harness.ranks import disable_cpu_shm_allreduce
+from .api import ApiSettings, TinkerApi, start_http
+from .byte_tokenizer import write_byte_tokenizer
+from .model import register_local_model
+from .scheduler import FutureStore, Job, Scheduler
+from .wire import UserError
+from .worker import Worker, merge
+
+log = logging.getLogger("tinker_server")
+
+
+@dataclass(frozen=True)
+class RankOptions:
+    port: int
+    zero_stage: int
+    checkpoint_root: Path
+    ready_file: Path | None
+    max_chunk_datums: int
+    compress_fwdbwd: bool
+    long_poll_s: float
+    #: Local Hugging Face model directories to serve besides the built-in byte-level models (``PATH`` or
+    #: ``NAME=PATH``).
+    base_models: tuple[str, ...] = ()
+    #: Interface rank 0's HTTP server binds (loopback unless told otherwise).
+    host: str = "127.0.0.1"
+    #: ``auto`` (CUDA when there are GPUs), ``cuda`` or ``cpu``.
+    device: str = "auto"
+    #: ``fp32`` or ``bf16`` (DeepSpeed's bf16 mode; the samplers' copies in bf16 too).
+    dtype: str = "fp32"
+    #: Recompute each decoder layer's activations in backward (``--gradient-checkpointing``).
+    gradient_checkpointing: bool = False
+    #: Keep only each training run's K newest training and K newest sampler checkpoints (``--keep-checkpoints``).
+    keep_checkpoints: int | None = None
+
+
+def versions_line() -> str:
+    """What this ran on: torch, DeepSpeed, and the patch series (the local version label)."""
+    import deepspeed
+
+    version = deepspeed.__version__
+    series = version.split("+", 1)[1] if "+" in version else "none (pristine DeepSpeed)"
+    return f"torch {torch.__version__} | deepspeed {version} | series {series}"
+
+
+def _run_safely(worker: Worker, kind: str, model_id: str, payload: Any) -> tuple[str, Any]:
+    """This rank's part, or the error; never raises, so a failure cannot strand the other ranks."""
+    try:
+        return "ok", worker.run(kind, model_id, payload)
+    except UserError as e:
+        return "user", str(e)
+    except Exception as e:
+        log.exception("rank %d failed on %s for %s", worker.rank, kind, model_id)
+        return "server", f"{type(e).__name__}: {e}"
+
+
+def _execute(worker: Worker, job: Job, futures: FutureStore) -> bool:
+    """Run a job on every rank; whether every rank succeeded."""
+    command: list[Any] = [(job.kind, job.model_id, job.payload)]
+    dist.broadcast_object_list(command, src=0)
+    parts: list[Any] = [None] * worker.world_size
+    dist.gather_object(_run_safely(worker, *command[0]), parts, dst=0)
+    failures = [part for part in parts if part[0] != "ok"]
+    if failures:
+        futures.fail(job.request_id, failures[0][1], failures[0][0])
+        return False
+    futures.resolve(job.request_id, merge(job.kind, [part[1] for part in parts]))
+    return True
+
+
+#: Most sampling requests batched into one command.
+MAX_SAMPLE_BATCH = 32
+
+
+def _execute_samples(worker: Worker, jobs: list[Job], futures: FutureStore) -> list[bool]:
+    """Concurrent sampling requests (consecutive in the queue) as one command on every rank, so they decode as one
+    batch (``SamplerPool.sample_many``); each future gets its own result or its own user error."""
+    command: list[Any] = [("sample_many", "", [job.payload for job in jobs])]
+    dist.broadcast_object_list(command, src=0)
+    parts: list[Any] = [None] * worker.world_size
+    dist.gather_object(_run_safely(worker, *command[0]), parts, dst=0)
+    failures = [part for part in parts if part[0] != "ok"]
+    if failures:
+        for job in jobs:
+            futures.fail(job.request_id, failures[0][1], failures[0][0])
+        return [False] * len(jobs)
+    done = []
+    for job, (status, value) in zip(jobs, merge("sample_many", [part[1] for part in parts])):
+        if status == "ok":
+            futures.resolve(job.request_id, value)
+        else:
+            futures.fail(job.request_id, value, status)
+        done.append(status == "ok")
+    return done
+
+
+def _drive(worker: Worker, options: RankOptions) -> None:
+    """Rank 0: serve HTTP, execute jobs in order until SIGTERM/SIGINT, then stop the followers."""
+    futures = FutureStore()
+    scheduler = Scheduler(futures)
+    tokenizer_dir = write_byte_tokenizer(options.checkpoint_root / "tokenizers" / "byte-level")
+    api = TinkerApi(scheduler, ApiSettings(options.checkpoint_root, options.max_chunk_datums, options.compress_fwdbwd,
+                                           options.long_poll_s, tokenizer_dir.resolve(),
+                                           keep_checkpoints=options.keep_checkpoints))
+    http = start_http(api, options.port, options.host)
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: scheduler.stop())
+    host = "127.0.0.1" if options.host in ("", "0.0.0.0") else options.host
+    base_url = f"http://{host}:{http.server_address[1]}"
+    print(f"[tinker-server] {versions_line()}", flush=True)
+    print(f"[tinker-server] {worker.world_size} ranks on {worker.device.type}, ZeRO stage {worker.zero_stage}, "
+          f"{worker.dtype}{', gradient checkpointing' if worker.gradient_checkpointing else ''}, "
+          f"serving {base_url} (pid {os.getpid()})", flush=True)
+    if options.ready_file is not None:
+        tmp = options.ready_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"base_url": base_url, "pid": os.getpid()}))
+        tmp.replace(options.ready_file)
+    try:
+        api.reap_expired(every_s=0)  # what expired while the server was down
+        api.prune_checkpoints()  # a run's older checkpoints, should --keep-checkpoints be lower than before
+        while not scheduler.stopped:
+            api.reap_expired()  # here, between jobs, a save never has its directory deleted under it
+            job = scheduler.next_job(timeout=1.0)
+            if job is None:
+                continue
+            if job.kind == "save_weights":
+                try:
+                    worker.prepare_save(job.model_id, job.payload)
+                except UserError as e:
+                    futures.fail(job.request_id, str(e), "user")
+                    continue
+                api.store.forget(job.payload["checkpoint"]["run_id"], job.payload["checkpoint"]["checkpoint_id"])
+            if job.kind == "sample":
+                batch = [job, *scheduler.take_consecutive("sample", MAX_SAMPLE_BATCH - 1)]
+                if len(batch) > 1:
+                    for each, ok in zip(batch, _execute_samples(worker, batch, futures)):
+                        api.job_finished(each.kind, each.model_id, each.payload, ok)
+                    continue
+            api.job_finished(job.kind, job.model_id, job.payload, _execute(worker, job, futures))
+    finally:
+        dist.broadcast_object_list([None], src=0)
+        http.shutdown()
+        api.store.close()
+        print("[tinker-server] stopped", flush=True)
+
+
+def _follow(worker: Worker) -> None:
+    """Ranks > 0: run whatever rank 0 broadcasts until it broadcasts None."""
+    # A terminal's Ctrl-C, or a launcher's SIGTERM to every rank (torchrun, deepspeed), reaches rank 0 too,
+    # which finishes its job and then stops us: dying here would strand rank 0 in a collective.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    while True:
+        command: list[Any] = [None]
+        dist.broadcast_object_list(command, src=0)
+        if command[0] is None:
+            return
+        dist.gather_object(_run_safely(worker, *command[0]), None, dst=0)
+
+
+def backend_and_device(choice: str) -> tuple[str, torch.device]:
+    """NCCL and this rank's GPU (LOCAL_RANK) when CUDA is there and wanted, else gloo on the CPU.
+
+    Must run before DeepSpeed is imported: on the CPU it selects DeepSpeed's CPU accelerator, whose
+    device count comes from LOCAL_SIZE (torchrun and the deepspeed launcher set LOCAL_WORLD_SIZE).
+    """
+    if choice == "cuda" or (choice == "auto" and torch.cuda.is_available() and torch.cuda.device_count() > 0):
+        if not torch.cuda.is_available():
+            raise RuntimeError("--device cuda, but torch sees no CUDA device")
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local_rank)
+        return "nccl", torch.device("cuda", local_rank)
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    os.environ.setdefault("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    return "gloo", torch.device("cpu")
+
+
+def run_rank(options: RankOptions) -> int:
+    """Entry point of one rank process; the launcher sets RANK, WORLD_SIZE, LOCAL_RANK and MASTER_* ."""
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    warnings.filterwarnings("ignore", category=FutureWarning)  # libraries' deprecation notices, not ours
+    backend, device = backend_and_device(options.device)
+    for path in options.base_models:
+        register_local_model(path)
+    # Ranks > 0 wait in a broadcast while the server is idle: give that wait a day, not 30 minutes.
+    dist.init_process_group(backend, timeout=timedelta(days=1))
+    import deepspeed
+    from deepspeed.utils import logger as ds_logger
+
+    ds_logger.setLevel(logging.WARNING)
+    disable_cpu_shm_allreduce()
+    deepspeed.init_distributed(dist_backend=backend)
+    worker = Worker(dist.get_rank(), dist.get_world_size(), options.zero_stage, device, dtype=options.dtype,
+                    gradient_checkpointing=options.gradient_checkpointing)
+    try:
+        if worker.rank == 0:
+            _drive(worker, options)
+        else:
+            _follow(worker)
+    finally:
+        try:
+            dist.destroy_process_group()
+        except Exception as e:  # a peer that already exited is no reason to fail a clean stop
+            log.warning("rank %d: destroy_process_group: %s", worker.rank, e)
+    return 0
