@@ -3,8 +3,9 @@
 ``step()`` decides with one small all-reduce (five int64 bounds pairs with a ``gradient_divide_factor``) whether
 every data-parallel rank may step. This times that collective on its own, exactly as ``step()`` issues it (the
 engine's own helper), against the median time of a whole unmanaged logical step (N backward passes and
-``step()``) on the same engine, per ZeRO stage, so the ratio is the share of a step the check takes. ZeRO 2/3
-issue it too (for the factor checks); a rank without backward there raises before it.
+``step()``) on the same engine, per ZeRO stage, so the ratio is the share of a step the check takes. On the 0.19.3
+series ZeRO 2/3 issue no check without a factor (``tests/unmanaged/test_step_collectives.py``) and a smaller one
+(three values) with one: their rows time the five-value check of stages 0/1, an upper bound.
 
 Run once per base, each in its virtualenv::
 

@@ -124,3 +124,138 @@ def _set_gradient_replaces_the_backward_one(path_name: str) -> None:
 @pytest.mark.parametrize("path_name", ["zero1-offload", "zero2-offload"])
 def test_gradient_set_after_the_boundary_backward_replaces_its_gradient(dist, path_name):
     dist.run(_set_gradient_replaces_the_backward_one, path_name)
+
+
+def _set_gradient_replaces_a_pending_one(path_name: str, managed: bool) -> None:
+    """One meaning of safe_set_full_grad() before step(), at every stage and offload mode: the value set is the
+    gradient step() applies. Here it is set on head b, whose gradient of the step is still pending when step() is
+    called: managed, head b gets one only in the first of two micro-batches (the boundary backward does not reach it);
+    unmanaged, every gradient is pending until step(). With optimizer offload at ZeRO-1/2, step() finishes pending
+    gradients from the host accumulation buffers (``_finalize_offloaded_gradients``), and must not copy them over
+    the value set, as ZeRO-3 and every configuration without offload keep it (and 0.19.3 in managed mode)."""
+    import torch
+    from deepspeed.utils import safe_get_full_fp32_param, safe_set_full_grad
+    from support.training import destroy, forward_loss
+
+    engine = PATHS[path_name].initialize(gas=2 if managed else 1, managed=None if managed else False)
+    head_b = dict(engine.module.head_b.named_parameters())
+    before = {name: safe_get_full_fp32_param(p).clone() for name, p in head_b.items()}
+    engine.module.use = "ab"
+    engine.backward(forward_loss(engine, 0, 0))
+    if managed:
+        engine.step()  # not the boundary: accumulates
+        engine.module.use = "a"
+        engine.backward(forward_loss(engine, 0, 1))
+        assert engine.is_gradient_accumulation_boundary()
+    for p in head_b.values():
+        safe_set_full_grad(p, torch.full(p.ds_shape if hasattr(p, "ds_shape") else p.shape, SET_GRAD))
+    engine.step()
+    for name, p in head_b.items():
+        after = safe_get_full_fp32_param(p)
+        expected = before[name] - LR * SET_GRAD
+        assert torch.equal(after, expected), (f"{path_name}: head_b.{name} moved by "
+                                              f"{(after - before[name]).abs().max().item():g}, "
+                                              f"not by lr * the gradient set ({LR * SET_GRAD:g})")
+    destroy(engine)
+
+
+@pytest.mark.base("0.19.3", reason="checks the 0.19.3 fix PRs' revision of this; the 0.19.8 ports are checked by their own "
+                   "revision")
+@pytest.mark.world_size(1, 2)
+@pytest.mark.parametrize("path_name", [_of_its_fix(name) for name in sorted(PATHS)])
+def test_gradient_set_on_a_parameter_with_a_pending_one_drives_the_update(dist, path_name):
+    dist.run(_set_gradient_replaces_a_pending_one, path_name, True)
+
+
+@pytest.mark.pr("zero-offload")
+@pytest.mark.base("0.19.3", reason="a promise of the 0.19.3 series' zero-offload")
+@pytest.mark.world_size(1, 2)
+@pytest.mark.parametrize("path_name", ["zero1-offload", "zero2-offload", "zero3-offload"])
+def test_unmanaged_gradient_set_before_step_drives_the_update(dist, path_name):
+    dist.run(_set_gradient_replaces_a_pending_one, path_name, False)
+
+
+#: ZenFlow ZeRO-2 with CPU offload (it always offloads) and a zero learning rate, so that weights, and with them
+#: the gradients of the same micro-batches, stay equal across engines whatever ZenFlow's update schedule.
+_ZENFLOW_LR0 = {
+    "optimizer": {
+        "type": "Adam",
+        "params": {
+            "lr": 0.0,
+            "weight_decay": 0.0,
+            "torch_adam": None
+        }
+    },
+    "zero_allow_untested_optimizer": True,
+}
+
+
+def _zenflow(overlap_step: bool) -> Path:
+    return Path(2, "fp32", {
+        **_ZENFLOW_LR0, "zero_optimization": {
+            "offload_optimizer": {
+                "device": "cpu"
+            },
+            "overlap_comm": True,
+            "zenflow": {
+                "topk_ratio": 0.2,
+                "select_strategy": "step",
+                "select_interval": 2,
+                "update_interval": 2,
+                "overlap_step": overlap_step,
+                "full_warm_up_rounds": 0,
+            },
+        }
+    },
+                model_fn=make_two_head_model)
+
+
+def _zenflow_host_accumulation(overlap_step: bool) -> dict:
+    """The host accumulation buffers of head b after two steps of two micro-batches: head b gets a gradient in the
+    first micro-batch of step 0 only (so the boundary backward leaves it pending, which ZenFlow's overlapped step()
+    does not finish), then in the last micro-batch of step 1 only. Its buffer must hold that gradient alone, not that
+    gradient plus step 0's (pristine 0.19.3 adds by micro-batch index, so from step 1's second micro-batch on it
+    adds whatever the buffer holds, for either ZenFlow optimizer alike)."""
+    from support.training import destroy, forward_loss
+
+    engine = _zenflow(overlap_step).initialize(gas=2, managed=None)
+    for step, uses in enumerate((("ab", "a"), ("a", "ab"))):
+        for i, use in enumerate(uses):
+            engine.module.use = use
+            engine.backward(forward_loss(engine, step, i))
+            if step == 0 or i == 0:
+                engine.step()
+    from deepspeed.accelerator import get_accelerator
+
+    get_accelerator().synchronize()  # the copies into the host buffers are asynchronous
+    optimizer = engine.optimizer
+    buffers = {}
+    for name, p in engine.module.head_b.named_parameters():
+        param_id = optimizer.get_param_id(p)
+        if param_id in optimizer.accumulated_grads_in_cpu:
+            buffers[name] = optimizer.accumulated_grads_in_cpu[param_id].detach().cpu().clone()
+    destroy(engine)
+    return buffers
+
+
+def _zenflow_overlapped_step_accumulates_no_stale_gradient() -> None:
+    import torch
+
+    sequential, overlapped = _zenflow_host_accumulation(False), _zenflow_host_accumulation(True)
+    assert sequential.keys() == overlapped.keys()
+    for name in sequential:
+        assert torch.equal(overlapped[name], sequential[name]), (
+            f"head_b.{name}: ZenFlow's overlapped step left step 0's host gradient to be added in step 1 (off by "
+            f"{(overlapped[name] - sequential[name]).abs().max().item():g})")
+
+
+@pytest.mark.base("0.19.3", reason="checks the 0.19.3 fix PRs' revision of this; the 0.19.8 ports are checked by their own "
+                   "revision")
+@pytest.mark.world_size(1, 2)
+def test_zenflow_overlapped_step_adds_no_stale_host_gradient(dist):
+    """ZenFlow runs only on CUDA GPUs: the multi-GPU workflow runs this (it runs the whole suite); skipped here."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("ZenFlow needs CUDA GPUs (the multi-GPU workflow runs this)")
+    dist.run(_zenflow_overlapped_step_accumulates_no_stale_gradient)

@@ -8,6 +8,7 @@ the last step that had one. The same engine without offload is the reference.
 """
 
 import pytest
+import torch
 
 from ds_harness.support.paths import PATHS
 
@@ -39,3 +40,79 @@ def _offload_matches_no_offload(stage: int, n: int) -> None:
 @pytest.mark.parametrize("stage, n", [(1, 1), (2, 1), (2, 3)], ids=["zero1-gas1", "zero2-gas1", "zero2-gas3"])
 def test_unused_parameters_get_no_stale_gradient_with_offload(dist, stage, n):
     dist.run(_offload_matches_no_offload, stage, n)
+
+
+class _StraddlingHeadMLP(torch.nn.Module):
+    """A small trunk, then head b, then head a: with 2 ranks, head b's weight straddles the boundary between the
+    ranks' partitions (rank 1 holds its last 15 of 112 elements), and head a's weight lies wholly in rank 1's,
+    from the start of the shared staging buffer's first 112 elements."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = torch.nn.Linear(8, 7)
+        self.head_b = torch.nn.Linear(7, 16)
+        self.head_a = torch.nn.Linear(7, 16)
+        self.use = "ab"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.nn.functional.gelu(self.fc1(x))
+        out = self.head_a(h)[..., :4] if "a" in self.use else 0
+        return out + self.head_b(h)[..., :4] if "b" in self.use else out
+
+
+def _make_straddling_head_model() -> torch.nn.Module:
+    torch.manual_seed(1234)
+    return _StraddlingHeadMLP()
+
+
+def _low_precision_staging_raises_no_spurious_overflow() -> None:
+    """fp16 master weights with CPU offload stage only each rank's slice of an offloaded gradient in a buffer all
+    parameters share. Step 0 overflows with both heads in both micro-batches: head a's inf gradient passes through
+    that buffer. Step 1 uses head b only in its first micro-batch, head a only in its second: step() finishes head b
+    from the host accumulation (``_finalize_offloaded_gradients``), and on rank 1 only its last 15 elements are its
+    own. The overflow check scans the whole gradient: head a's inf left in the rest of the buffer must not count."""
+    from support.paths import Path
+    from support.training import destroy, forward_loss
+
+    path = Path(2,
+                "fp16", {
+                    "fp16": {
+                        "fp16_master_weights_and_grads": True
+                    },
+                    "optimizer": {
+                        "type": "Adam",
+                        "params": {
+                            "torch_adam": None
+                        }
+                    },
+                    "zero_optimization": {
+                        "offload_optimizer": {
+                            "device": "cpu"
+                        }
+                    },
+                },
+                model_fn=_make_straddling_head_model,
+                needs_fp16=True)
+    engine = path.initialize(gas=2, managed=None, scheduler=None)
+    assert engine.optimizer.low_precision_master_weights_and_grads
+    for i in range(2):
+        engine.module.use = "ab"
+        loss = forward_loss(engine, 0, i)
+        engine.backward(loss * float("inf") if i == 0 else loss)
+        engine.step()
+    assert engine.skipped_steps == 1, "the step with inf gradients must be skipped"
+    for i, use in enumerate(("b", "a")):
+        engine.module.use = use
+        engine.backward(forward_loss(engine, 1, i))
+        engine.step()
+    assert engine.skipped_steps == 1, ("the step after the overflow overflowed too: another parameter's inf in the "
+                                       "shared staging buffer reached head b's overflow check")
+    destroy(engine)
+
+
+@pytest.mark.passes_on_pristine
+@pytest.mark.base("0.19.3", reason="checks the 0.19.3 fix PRs' revision of this; the 0.19.8 ports are checked by their own "
+                   "revision")
+@pytest.mark.world_size(2)
+def test_low_precision_offload_staging_raises_no_spurious_overflow(dist):
+    dist.run(_low_precision_staging_raises_no_spurious_overflow)

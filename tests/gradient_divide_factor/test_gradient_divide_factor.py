@@ -70,7 +70,19 @@ def test_a_factor_wrong_on_one_rank_raises_on_every_rank(dist, path_name):
     messages = dist.run(scenarios.factor_errors_on_one_rank, path_name)
     assert "got a tensor of shape (2,)" in messages[0][0] and "invalid on another" in messages[1][0]
     assert "positive and finite" in messages[0][1] and "invalid on another" in messages[1][1]
-    assert messages[0][2] == messages[1][2]
+    if path_name.startswith(("zero2", "zero3")):
+        assert len(messages[0]) == 2  # a factor missing on one rank is detected only where the step checks anyway
+    else:
+        assert messages[0][2] == messages[1][2]
+
+
+@pytest.mark.base("0.19.3", reason="a promise of the 0.19.3 series' gradient-divide-factor")
+@pytest.mark.world_size(1, 2)
+@pytest.mark.parametrize("path_name", ["fp32-deepspeed-optimizer", "zero2-fp32"])
+def test_bools_and_non_scalar_tensors_are_refused(dist, path_name):
+    messages = dist.run(scenarios.factor_type_errors, path_name)
+    assert all("boolean" in m for m in messages[0][:2]), messages[0]
+    assert "shape (1,)" in messages[0][2] and "shape (1, 1)" in messages[0][3], messages[0]
 
 
 @pytest.mark.base("0.19.3", reason="the 0.19.8 series' gradient-divide-factor does not read the factor this way")
@@ -250,10 +262,16 @@ def _divide_ratio_declarations_body(path_name: str) -> str:
     from ds_harness.support.training import destroy, forward_loss, snapshot
 
     assert "gradient_divide_ratio" in DeepSpeedOptimizer.__dict__
-    declared = {cls: cls.applies_gradient_divide_ratio for cls in (DeepSpeedOptimizer, ZeROOptimizer, FP16_Optimizer,
-                                                                   FP16_UnfusedOptimizer, BF16_Optimizer)}
+    from deepspeed.runtime.superoffload.superoffload_stage3 import SuperOffloadOptimizer_Stage3
+    from deepspeed.runtime.zenflow.zenflow_stage_1_and_2 import ZenFlowZeroOptimizer
+
+    classes = (DeepSpeedOptimizer, ZeROOptimizer, FP16_Optimizer, FP16_UnfusedOptimizer, BF16_Optimizer,
+               ZenFlowZeroOptimizer, SuperOffloadOptimizer_Stage3)
+    declared = {cls: cls.applies_gradient_divide_ratio for cls in classes}
+    # ZenFlow's and SuperOffload's own norm and unscale/clip ignore the ratio
     assert declared == {DeepSpeedOptimizer: False, ZeROOptimizer: True, FP16_Optimizer: True,
-                        FP16_UnfusedOptimizer: False, BF16_Optimizer: False}, declared
+                        FP16_UnfusedOptimizer: False, BF16_Optimizer: False, ZenFlowZeroOptimizer: False,
+                        SuperOffloadOptimizer_Stage3: False}, declared
     engine = PATHS[path_name].initialize(gas=1, managed=False)
     engine.optimizer.applies_gradient_divide_ratio = False  # as a ZeRO optimizer that ignored the ratio would
     engine.backward(forward_loss(engine, 0, 0), scale_wrt_gas=False)

@@ -520,6 +520,21 @@ def factor_errors(path_name: str) -> None:
     destroy(moe)
 
 
+def factor_type_errors(path_name: str) -> list:
+    """A bool (which Python and torch read as 1) and a 1-element tensor that is not 0-dim are refused as factors, as
+    any other shape is, before any collective."""
+    engine = PATHS[path_name].initialize(gas=1, managed=False)
+    engine.backward(forward_loss(engine, 0, 0))
+    messages = []
+    for bad in (True, torch.tensor(True), torch.tensor([2.0]), torch.tensor([[2.0]])):
+        with pytest.raises(ValueError, match="a number or a 0-dim tensor") as error:
+            engine.step(gradient_divide_factor=bad)
+        messages.append(str(error.value))
+    engine.step(gradient_divide_factor=torch.tensor(2.0))  # refused before any state changed
+    destroy(engine)
+    return messages
+
+
 def gas_scaling_mismatch_warnings(path_name: str) -> list:
     """(e) Count the warnings for: N == GAS, N != GAS (twice), scale_wrt_gas=False, with a factor, and
     scale_wrt_gas=False after zero_grad() discarded a GAS-scaled backward (whose losses the step does not apply)."""
@@ -571,7 +586,12 @@ def factor_errors_on_one_rank(path_name: str, kind: str = "invalid") -> list:
     engine = PATHS[path_name].initialize(gas=1, managed=False)
     rank = ds_comm.get_rank()
     messages = []
-    for bad, match in _wrong_factors(kind):
+    wrong = _wrong_factors(kind)
+    if engine.zero_optimization_partition_gradients():
+        # At ZeRO stages 2 and 3 a step without a factor makes no collective, so a factor missing on one rank
+        # is not detected (its ranks meet the others' step collectives, like a step() on some ranks only)
+        wrong = [(bad, match) for bad, match in wrong if bad is not None]
+    for bad, match in wrong:
         engine.backward(forward_loss(engine, 0, 0))
         with pytest.raises(ValueError, match=match) as error:
             engine.step(gradient_divide_factor=bad if rank == 0 else 4.0)

@@ -1,0 +1,143 @@
+"""An unmanaged step() costs nothing that was not asked for: at ZeRO stages 2 and 3, without a gradient_divide_factor,
+a logical step (N backward passes and one step()) issues exactly the collectives of a managed boundary step with
+gradient_accumulation_steps = N, call for call and byte for byte, and reads the device from the host exactly as often;
+a factor adds exactly one small all-reduce and its one host read. At stages 0 and 1, whose backward does not
+communicate in unmanaged mode, the step's one all-reduce of per-rank checks carries the factor at no extra cost.
+
+Collectives are counted by the benchmarks' counter (``benchmarks.comm_counter``, wrapping the communication backend
+that every ``deepspeed.comm`` collective ends in); host reads by wrapping the tensor methods that copy a value to the
+host (``item``, ``tolist``, ``__bool__``, ``__float__``, ``__int__``).
+"""
+
+from __future__ import annotations
+
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+# The ranks import `benchmarks` from the repository root (tests/conftest.py puts tests/ on the path).
+_ROOT = str(Path(__file__).resolve().parents[2])
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+
+pytestmark = pytest.mark.base("0.19.3", reason="the 0.19.3 series' step checks (their sizes and PRs); the 0.19.8 series "
+                              "makes the same promise with its own checks")
+
+N = 2
+#: The factor check at ZeRO stages 2 and 3: (min, max) pairs of 3 int64 (the factor's state, mantissa, exponent).
+FACTOR_CHECK_BYTES = 3 * 2 * 8
+#: The step check at stages 0 and 1: (min, max) pairs of 5 int64 (backward count, no_sync(), the factor's three).
+STEP_CHECK_BYTES = 5 * 2 * 8
+
+_HOST_READS = ("item", "tolist", "__bool__", "__float__", "__int__")
+
+
+@contextmanager
+def _counting_host_reads(counts: dict):
+    import torch
+
+    originals = {name: getattr(torch.Tensor, name) for name in _HOST_READS}
+
+    def counting(name, method):
+
+        def read(self, *args, **kwargs):
+            counts[name] = counts.get(name, 0) + 1
+            return method(self, *args, **kwargs)
+
+        return read
+
+    for name, method in originals.items():
+        setattr(torch.Tensor, name, counting(name, method))
+    try:
+        yield counts
+    finally:
+        for name, method in originals.items():
+            setattr(torch.Tensor, name, method)
+
+
+def _logical_step_costs(path_name: str, managed: bool, factor: float | None) -> dict:
+    """Collectives and host reads of the second of two logical steps of N backward passes (the first sets up)."""
+    from benchmarks.comm_counter import CommCounter
+    from support.paths import PATHS
+    from support.training import destroy, forward_loss
+
+    engine = PATHS[path_name].initialize(gas=N if managed else 1, managed=managed)
+    costs = {}
+    for step in range(2):
+        reads: dict = {}
+        with CommCounter() as counter, _counting_host_reads(reads):
+            for i in range(N):
+                loss = forward_loss(engine, step, i)
+                if managed:
+                    engine.backward(loss)
+                    engine.step()
+                else:
+                    engine.backward(loss)
+            if not managed:
+                engine.step(**({} if factor is None else {"gradient_divide_factor": factor}))
+            costs = {"collectives": counter.snapshot(), "host_reads": reads}
+    assert engine.global_steps == 2
+    destroy(engine)
+    return costs
+
+
+def step_costs_body(path_name: str, with_factor: bool = False) -> dict:
+    costs = {
+        "managed": _logical_step_costs(path_name, True, None),
+        "unmanaged": _logical_step_costs(path_name, False, None),
+    }
+    if with_factor:  # step(gradient_divide_factor=...) exists from gradient-divide-factor on
+        costs["factor"] = _logical_step_costs(path_name, False, 4.0)
+    return costs
+
+
+def _plus_one_all_reduce(counts: dict, nbytes: int) -> dict:
+    out = {op: dict(entry) for op, entry in counts.items()}
+    entry = out.setdefault("all_reduce", {"calls": 0, "bytes": 0})
+    entry["calls"] += 1
+    entry["bytes"] += nbytes
+    return out
+
+
+def _plus_one_read(reads: dict) -> dict:
+    return {**reads, "tolist": reads.get("tolist", 0) + 1}
+
+
+def _stage(pr: str, *names: str):
+    return [pytest.param(name, marks=pytest.mark.pr(pr), id=name) for name in names]
+
+
+@pytest.mark.world_size(2)
+@pytest.mark.parametrize("path_name",
+                         _stage("zero-2", "zero2-fp32", "zero2-overlap-comm") + _stage("zero-3", "zero3-fp32") +
+                         _stage("zero-offload", "zero2-offload", "zero3-offload"))
+def test_unmanaged_step_at_zero_2_3_adds_no_collective_and_no_host_read(dist, path_name):
+    for costs in dist.run(step_costs_body, path_name):
+        managed, unmanaged = costs["managed"], costs["unmanaged"]
+        assert managed["collectives"], "a ZeRO-2/3 step on 2 ranks communicates"
+        assert unmanaged["collectives"] == managed["collectives"]
+        assert unmanaged["host_reads"] == managed["host_reads"]
+
+
+@pytest.mark.pr("gradient-divide-factor")
+@pytest.mark.world_size(2)
+@pytest.mark.parametrize("path_name", ["zero2-fp32", "zero3-fp32", "zero2-offload", "zero3-offload"])
+def test_a_factor_at_zero_2_3_adds_one_small_all_reduce_and_one_host_read(dist, path_name):
+    for costs in dist.run(step_costs_body, path_name, True):
+        managed, unmanaged, factor = costs["managed"], costs["unmanaged"], costs["factor"]
+        assert unmanaged["collectives"] == managed["collectives"]
+        assert factor["collectives"] == _plus_one_all_reduce(managed["collectives"], FACTOR_CHECK_BYTES)
+        assert factor["host_reads"] == _plus_one_read(managed["host_reads"])
+
+
+@pytest.mark.pr("gradient-divide-factor")
+@pytest.mark.world_size(2)
+@pytest.mark.parametrize("path_name", ["fp32-deepspeed-optimizer", "zero1-fp32"])
+def test_at_zero_0_1_the_factor_travels_in_the_step_check(dist, path_name):
+    for costs in dist.run(step_costs_body, path_name, True):
+        managed, unmanaged, factor = costs["managed"], costs["unmanaged"], costs["factor"]
+        assert unmanaged["collectives"] == _plus_one_all_reduce(managed["collectives"], STEP_CHECK_BYTES)
+        assert factor["collectives"] == unmanaged["collectives"]
+        assert unmanaged["host_reads"] == factor["host_reads"] == _plus_one_read(managed["host_reads"])
