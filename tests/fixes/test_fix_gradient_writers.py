@@ -135,7 +135,7 @@ def _set_gradient_replaces_a_pending_one(path_name: str, managed: bool) -> None:
     the value set, as ZeRO-3 and every configuration without offload keep it (and 0.19.3 in managed mode)."""
     import torch
     from deepspeed.utils import safe_get_full_fp32_param, safe_set_full_grad
-    from support.training import destroy, forward_loss
+    from ds_harness.support.training import destroy, forward_loss
 
     engine = PATHS[path_name].initialize(gas=2 if managed else 1, managed=None if managed else False)
     head_b = dict(engine.module.head_b.named_parameters())
@@ -216,7 +216,7 @@ def _zenflow_host_accumulation(overlap_step: bool) -> dict:
     does not finish), then in the last micro-batch of step 1 only. Its buffer must hold that gradient alone, not that
     gradient plus step 0's (pristine 0.19.3 adds by micro-batch index, so from step 1's second micro-batch on it
     adds whatever the buffer holds, for either ZenFlow optimizer alike)."""
-    from support.training import destroy, forward_loss
+    from ds_harness.support.training import destroy, forward_loss
 
     engine = _zenflow(overlap_step).initialize(gas=2, managed=None)
     for step, uses in enumerate((("ab", "a"), ("a", "ab"))):

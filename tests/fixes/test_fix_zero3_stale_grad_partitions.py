@@ -116,8 +116,8 @@ DEEPCOMPILE_OFFLOAD = Path(3,
 
 def _deepcompile_offload_matches_pytorch(n: int) -> None:
     import deepspeed.comm as ds_comm
-    from support import pytorch_reference
-    from support.training import assert_params_close, destroy, run_managed, snapshot
+    from ds_harness.support import pytorch_reference
+    from ds_harness.support.training import assert_params_close, destroy, run_managed, snapshot
 
     engine = DEEPCOMPILE_OFFLOAD.initialize(gas=n, managed=None)
     engine.compile()

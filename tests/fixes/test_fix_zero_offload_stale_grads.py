@@ -71,8 +71,8 @@ def _low_precision_staging_raises_no_spurious_overflow() -> None:
     that buffer. Step 1 uses head b only in its first micro-batch, head a only in its second: step() finishes head b
     from the host accumulation (``_finalize_offloaded_gradients``), and on rank 1 only its last 15 elements are its
     own. The overflow check scans the whole gradient: head a's inf left in the rest of the buffer must not count."""
-    from support.paths import Path
-    from support.training import destroy, forward_loss
+    from ds_harness.support.paths import Path
+    from ds_harness.support.training import destroy, forward_loss
 
     path = Path(2,
                 "fp16", {

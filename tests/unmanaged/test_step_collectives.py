@@ -4,23 +4,16 @@ gradient_accumulation_steps = N, call for call and byte for byte, and reads the 
 a factor adds exactly one small all-reduce and its one host read. At stages 0 and 1, whose backward does not
 communicate in unmanaged mode, the step's one all-reduce of per-rank checks carries the factor at no extra cost.
 
-Collectives are counted by the benchmarks' counter (``benchmarks.comm_counter``, wrapping the communication backend
+Collectives are counted by the benchmarks' counter (``ds_bench.comm_counter``, wrapping the communication backend
 that every ``deepspeed.comm`` collective ends in); host reads by wrapping the tensor methods that copy a value to the
 host (``item``, ``tolist``, ``__bool__``, ``__float__``, ``__int__``).
 """
 
 from __future__ import annotations
 
-import sys
 from contextlib import contextmanager
-from pathlib import Path
 
 import pytest
-
-# The ranks import `benchmarks` from the repository root (tests/conftest.py puts tests/ on the path).
-_ROOT = str(Path(__file__).resolve().parents[2])
-if _ROOT not in sys.path:
-    sys.path.insert(0, _ROOT)
 
 pytestmark = pytest.mark.base("0.19.3", reason="the 0.19.3 series' step checks (their sizes and PRs); the 0.19.8 series "
                               "makes the same promise with its own checks")
@@ -59,9 +52,9 @@ def _counting_host_reads(counts: dict):
 
 def _logical_step_costs(path_name: str, managed: bool, factor: float | None) -> dict:
     """Collectives and host reads of the second of two logical steps of N backward passes (the first sets up)."""
-    from benchmarks.comm_counter import CommCounter
-    from support.paths import PATHS
-    from support.training import destroy, forward_loss
+    from ds_bench.comm_counter import CommCounter
+    from ds_harness.support.paths import PATHS
+    from ds_harness.support.training import destroy, forward_loss
 
     engine = PATHS[path_name].initialize(gas=N if managed else 1, managed=managed)
     costs = {}
