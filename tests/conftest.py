@@ -64,7 +64,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     choices=("all", "core"),
                     default=os.environ.get("DS_SERIES_PATHS", "all"),
                     help="engine configurations of the tests parametrised by path_name: all (default) or core, one "
-                    "or two per ZeRO stage, precision and offload mode (ds_harness.support.paths.CORE_PATHS); env DS_SERIES_PATHS")
+                    "or two per ZeRO stage, precision and offload mode (ds_harness.support.paths.CORE_PATHS); "
+                    "env DS_SERIES_PATHS")
     group.addoption("--rank-timeout",
                     type=float,
                     default=None,

@@ -73,7 +73,14 @@ _ds_series_install_packages() {
     local editable=() p
     for p in "${DS_SERIES_PACKAGES[@]}"; do editable+=(-e "$DS_SERIES_ROOT/$p"); done
     _ds_series_log "installing our packages, editable: ${DS_SERIES_PACKAGES[*]}"
-    "$DS_SERIES_PY" -m pip --disable-pip-version-check install --quiet --no-deps --no-build-isolation "${editable[@]}"
+    # One at a time per checkout (.ci/run installs two virtualenvs at once): each build writes <package>.egg-info
+    # into the package's folder.
+    mkdir -p "$DS_SERIES_ROOT/build"
+    (
+        flock 9
+        "$DS_SERIES_PY" -m pip --disable-pip-version-check install --quiet --no-deps --no-build-isolation \
+            "${editable[@]}"
+    ) 9>"$DS_SERIES_ROOT/build/.packages.lock"
 }
 
 # Whether our packages are installed editable from this checkout (a virtualenv made from another clone is not).

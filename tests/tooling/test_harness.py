@@ -395,7 +395,8 @@ def test_pr_markers_across_bases(tmp_path):
 
 
 def test_core_paths_name_real_configurations_of_every_stage_and_offload_mode():
-    """``--paths core`` keeps ds_harness.support.paths.CORE_PATHS: a misspelt name would silently drop a configuration."""
+    """``--paths core`` keeps ds_harness.support.paths.CORE_PATHS: a misspelt name would silently drop a
+    configuration."""
     from ds_harness.support.paths import CORE_PATHS, PATHS
 
     assert CORE_PATHS <= set(PATHS), sorted(CORE_PATHS - set(PATHS))

@@ -1,4 +1,4 @@
-"""ds_series.hunk_check (tools/ds_series/hunk_check.py) cuts a PR's diff into hunks and undoes exactly one of them in the file as of the PR."""
+"""ds_series.hunk_check cuts a PR's diff into hunks and undoes exactly one of them in the file as of the PR."""
 
 import subprocess
 from pathlib import Path

@@ -171,7 +171,7 @@ def test_check_detects_amended_pr(base, tree):
     stack.git(tree, "add", "new_file.py")
     stack.git(tree, "commit", "--quiet", "--amend", "--no-edit")
     problems = stack.check(base)
-    assert len(problems) == 1 and "differs from" in problems[0] and "stack.py export" in problems[0], problems
+    assert len(problems) == 1 and "differs from" in problems[0] and "ds-series-stack export" in problems[0], problems
 
 
 def test_check_detects_patch_that_does_not_apply(base):

@@ -1008,7 +1008,7 @@ def hunk_block(r: dict) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="hunk_check.py",
+    parser = argparse.ArgumentParser(prog="ds-series-hunk-check",
                                      description=__doc__.split("\n\n")[0],
                                      epilog=__doc__.split("\n\n", 1)[1],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)

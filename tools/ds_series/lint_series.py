@@ -297,7 +297,7 @@ def report(results: dict[stack.Patch, list[Finding]]) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="lint_series.py", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="ds-series-lint", description=__doc__.splitlines()[0])
     parser.add_argument("--base", metavar="VERSION", help="the upstream release whose series to lint (as in stack.py)")
     parser.add_argument("--without-upstream-files",
                         action="store_true",
@@ -324,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     if not report(results):
         print(
             "lint failed: fix the findings above in the PR that introduces them "
-            "(git commit --fixup=<pr>, then stack.py export)",
+            "(git commit --fixup=<pr>, then ds-series-stack export)",
             file=sys.stderr)
         return 1
     print(f"lint passed: {len(patches)} PR(s) add no yapf, flake8 or codespell findings; every message has "

@@ -488,7 +488,7 @@ def export(base: Base, repo: Path | None = None) -> list[Patch]:
     """Regenerate ``patches/`` from the materialized repository (and retag its commits)."""
     repo = repo or base.tree_dir
     if not (repo / ".git").exists():
-        raise StackError(f"{repo} is not materialized; run `stack.py materialize` first")
+        raise StackError(f"{repo} is not materialized; run `ds-series-stack materialize` first")
     if git(repo, "status", "--porcelain"):
         raise StackError(f"{repo} has uncommitted changes; commit them (e.g. --fixup=<pr>) before exporting")
     squash_fixups(repo)
@@ -527,9 +527,9 @@ def check(base: Base, repo: Path | None = None) -> list[str]:
             for patch in exported:
                 if (Path(tmp) / patch.path.name).read_bytes() != _read_bytes(patch.path):
                     problems.append(f"PR {patch.index} ({patch.name}) in {repo} differs from {patch.path}: "
-                                    f"run `stack.py export`")
+                                    f"run `ds-series-stack export`")
                 if patch.title != patches[patch.index - 1].title:
-                    problems.append(f"title of PR {patch.index} differs from the series: run `stack.py export`")
+                    problems.append(f"title of PR {patch.index} differs from the series: run `ds-series-stack export`")
     return problems
 
 
@@ -660,7 +660,7 @@ def _read_bytes(path: Path) -> bytes:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="stack.py", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="ds-series-stack", description=__doc__.splitlines()[0])
     parser.add_argument("--base", default=None, metavar="VERSION",
                         help=f"the upstream release whose series to work on ({', '.join(available_bases())}; "
                         f"default ${BASE_ENV} or {DEFAULT_BASE})")

@@ -866,7 +866,7 @@ def write_report(path: Path, results: list[dict], extra: str = "") -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="upstream_tests.py", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="ds-series-upstream-tests", description=__doc__.splitlines()[0])
     parser.add_argument("--base", action="append", choices=stack.available_bases(),
                         help="a base to compare (repeatable; default: every base)")
     parser.add_argument("--subset", choices=("full", "ci"), default="full",

@@ -146,7 +146,8 @@ def _compute(base: Base, world_size: int, prs: list, table: str) -> dict[str, li
                    check=True,
                    timeout=TIMEOUT)
     with tempfile.TemporaryDirectory(prefix="ds-reference-") as tmp:
-        procs = ranks.start_ranks([sys.executable, "-m", "ds_harness.support.pristine", tmp, str(tree), backend, table],
+        argv = [sys.executable, "-m", "ds_harness.support.pristine", tmp, str(tree), backend, table]
+        procs = ranks.start_ranks(argv,
                                   world_size,
                                   cpu=cpu,
                                   env=tree_env,
