@@ -43,7 +43,7 @@ _ds_series_inputs_digest() {
         local f
         # The series' own files (not a README beside them): what `pip install .` builds from.
         for f in "${DS_SERIES_REQUIREMENTS[@]}" requirements/*.txt pyproject.toml tools/ds_series/build_backend.py \
-            tools/ds_series/stack.py patches/*/base.toml patches/*/series patches/*/*.patch \
+            tools/ds_series/stack.py patches/*/base.toml patches/*/series patches/*/*.patch patches/*/*/*.patch \
             "${DS_SERIES_PACKAGES[@]/%//pyproject.toml}"; do
             [[ -f "$f" ]] && printf '%s\n' "$f" && cat "$f"
         done

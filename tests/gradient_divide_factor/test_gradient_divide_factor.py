@@ -290,3 +290,41 @@ def _divide_ratio_declarations_body(path_name: str) -> str:
 def test_an_optimizer_that_does_not_apply_the_ratio_is_refused(dist, path_name):
     messages = dist.run(_divide_ratio_declarations_body, path_name)
     assert len(set(messages)) == 1, messages
+
+
+def _logical_step_collectives(path_name: str, managed: bool, factor: float | None) -> dict:
+    """Collectives (calls and bytes per op) of the second logical step of two backward passes: managed with
+    gradient_accumulation_steps=2 (backward and step() per micro-batch, the second step() the boundary), or
+    unmanaged (two backward passes, one step(), with or without a factor)."""
+    from ds_bench.comm_counter import CommCounter
+    from ds_harness.support.paths import PATHS
+    from ds_harness.support.training import destroy, forward_loss
+
+    engine = PATHS[path_name].initialize(gas=2, managed=managed)
+    for step in range(2):
+        with CommCounter() as counter:
+            for i in range(2):
+                engine.backward(forward_loss(engine, step, i))
+                if managed:
+                    engine.step()
+            if not managed:
+                engine.step(gradient_divide_factor=factor)
+        counts = counter.snapshot()
+    destroy(engine)
+    return counts
+
+
+@pytest.mark.base("0.19.8", reason="the 0.19.8 series' promise; the 0.19.3 series checks its own step")
+@pytest.mark.world_size(2)
+@pytest.mark.parametrize("path_name", ["zero2-fp32", "zero3-fp32", "zero2-offload", "zero3-offload"])
+def test_unmanaged_step_without_a_factor_adds_no_collective_at_zero_2_and_3(dist, path_name):
+    """At ZeRO stages 2 and 3 an unmanaged step() without a factor communicates exactly as a managed boundary
+    step (no check of its own, so no host read of one either); with a factor it adds one all-reduce of two
+    float32 values, the smallest and largest factor of any rank."""
+    managed = dist.run(_logical_step_collectives, path_name, True, None)
+    assert all(counts for counts in managed), "a ZeRO-2/3 step on 2 ranks communicates"
+    assert dist.run(_logical_step_collectives, path_name, False, None) == managed
+    for counts, expected in zip(dist.run(_logical_step_collectives, path_name, False, 4.0), managed):
+        all_reduce = expected.get("all_reduce", {"calls": 0, "bytes": 0})
+        expected = {**expected, "all_reduce": {"calls": all_reduce["calls"] + 1, "bytes": all_reduce["bytes"] + 8}}
+        assert counts == expected

@@ -334,6 +334,39 @@ def test_upstream_files_are_laid_in_below_the_upstream_tag(tmp_path, monkeypatch
     assert "not in the sdist" in stack.commit_subject(tree, stack.UPSTREAM_TAG)
 
 
+def test_upstream_backports_are_applied_below_the_upstream_tag(tmp_path, monkeypatch, sdist):
+    """A change upstream merged after the pinned files (base.toml's ``backports``) is one commit of its own below
+    ``upstream``: the PRs apply on top of it and never carry it; one that does not apply is a clear error."""
+    base = _base_with_extras(tmp_path, monkeypatch, sdist)
+    backport = tmp_path / "backport.patch"
+    backport.write_text("From 0000000000000000000000000000000000000000 Mon Sep 17 00:00:00 2001\n"
+                        "From: DeepSpeed Team <deepspeed-info@microsoft.com>\n"
+                        "Date: Sat, 1 Jan 2000 00:00:00 +0000\n"
+                        "Subject: Merged upstream later (#1)\n\n"
+                        "diff --git a/tests/conftest.py b/tests/conftest.py\n"
+                        "--- a/tests/conftest.py\n+++ b/tests/conftest.py\n"
+                        "@@ -1 +1 @@\n-# upstream's\n+# upstream's, later\n")
+    monkeypatch.setattr(stack, "BASE", dataclasses.replace(base, extras=dataclasses.replace(
+        base.extras, backports=(backport, ))))
+    tree = stack.materialize(tmp_path / "tree", upto=0)
+    assert (tree / "tests" / "conftest.py").read_text() == "# upstream's, later\n"
+    assert stack.git(tree, "rev-list", "--count", stack.UPSTREAM_TAG).strip() == "3"
+    assert stack.commit_subject(tree, stack.UPSTREAM_TAG) == "Merged upstream later (#1)"
+    (base.extras.source / "tests" / "conftest.py").write_text("# upstream's\n")
+    backport.write_text(backport.read_text().replace("-# upstream's\n", "-# something else\n"))
+    with pytest.raises(stack.StackError, match="backport .* does not apply"):
+        stack.materialize(tmp_path / "broken", upto=0)
+
+
+def test_the_0_19_8_series_builds_on_upstreams_8397(other_base):
+    """The 0.19.8 series' tests compare tensors across ranks with ``allclose_on_all_ranks()``, which needs #8397 on
+    the CPU accelerator; upstream merged it after the pinned test tree, so the base carries it, not a PR."""
+    base = other_base("0.19.8")
+    assert [b.name for b in base.extras.backports] == ["8397-test-device-names.patch"]
+    assert all(b.is_file() for b in base.extras.backports)
+    assert "current_device_name()" not in (base.folder / "fix-cpu-test-harness.patch").read_text().split("\ndiff ", 1)[1]
+
+
 def test_upstream_files_are_pinned_and_required_for_a_development_tree(tmp_path, monkeypatch, sdist):
     base = _base_with_extras(tmp_path, monkeypatch, sdist)
     (base.extras.source / "tests" / "conftest.py").write_text("# edited\n")

@@ -292,3 +292,18 @@ def test_a_terminated_runner_kills_its_pytest_session(tmp_path: Path):
         for _ in range(50):
             os.kill(test_pid, 0)
             time.sleep(0.1)
+
+
+def test_harness_gets_8397_and_the_failed_check_fix_once(tmp_path: Path):
+    """Upstream's harness at v0.19.3 gets upstream's #8397 (a backport below the 0.19.8 series) and that series'
+    ``fix-cpu-test-harness``; a harness that has both is left as it is."""
+    common = tmp_path / "tests" / "unit" / "common.py"
+    common.parent.mkdir(parents=True)
+    upstream = ROOT.parent / "shared" / "upstream-0.19.3" / "tests" / "unit" / "common.py"
+    if not upstream.is_file():
+        pytest.skip(f"{upstream} is not on this machine")
+    common.write_bytes(upstream.read_bytes())
+    assert ut.fix_harness(tmp_path / "tests").count(" applied") == 2
+    text = common.read_text()
+    assert "tensor_flag = torch.tensor([1 if flag else 0]" in text and "isinstance(e, Failed)" in text
+    assert ut.fix_harness(tmp_path / "tests") == "already fixed"

@@ -26,10 +26,46 @@ def _config_value_body(value, expected) -> None:
         assert DeepSpeedConfig(config).managed_gradient_accumulation is expected
 
 
+@pytest.mark.base("0.19.3", reason="the 0.19.3 series adds the flag, so it can refuse every non-boolean; 0.19.8 "
+                  "already reads one for its truthiness")
 @pytest.mark.parametrize("value,expected", [("absent", True), (True, True), (False, False), ("false", None),
                                             ("true", None), (0, None), (1, None), (None, None)])
 def test_flag_accepts_only_json_booleans(dist, value, expected):
     dist.run(_config_value_body, value, expected)
+
+
+def _truthy_value_body(value) -> list[str]:
+    from deepspeed.runtime.config import DeepSpeedConfig
+    from deepspeed.utils import logger
+
+    config = base_config(1)
+    config[FLAG] = value
+    lines = []
+    original = logger.warning
+    logger.warning = lambda msg, *a, **k: lines.append(str(msg))
+    try:
+        managed = DeepSpeedConfig(config).managed_gradient_accumulation
+    finally:
+        logger.warning = original
+    assert managed == value, "a truthy value is read as 0.19.8 reads it"
+    return [line for line in lines if FLAG in line]
+
+
+@pytest.mark.base("0.19.8", reason="0.19.8 already reads a non-boolean flag for its truthiness")
+@pytest.mark.pr("unmanaged-flag-validation")
+@pytest.mark.parametrize("value,expected", [("absent", True), (True, True), (False, False), (0, None), (None, None),
+                                            ("", None)])
+def test_only_false_selects_unmanaged_mode_on_0_19_8(dist, value, expected):
+    dist.run(_config_value_body, value, expected)
+
+
+@pytest.mark.base("0.19.8", reason="0.19.8 already reads a non-boolean flag for its truthiness")
+@pytest.mark.pr("unmanaged-flag-validation")
+@pytest.mark.parametrize("value", ["false", "true", 1])
+def test_truthy_non_boolean_flag_stays_managed_with_a_warning(dist, value):
+    """Nothing 0.19.8 accepts in managed mode is refused: the value is kept, with a warning saying how it is read."""
+    for warned in dist.run(_truthy_value_body, value):
+        assert len(warned) == 1 and "read as true" in warned[0] and repr(value) in warned[0], warned
 
 
 def _accessor_and_print_body() -> list:

@@ -109,6 +109,9 @@ class Extras:
     sha256: dict[str, str]
     #: Where each file can be downloaded when ``source`` is absent: ``{commit}`` and ``{path}`` are filled in.
     url: str | None = None
+    #: Upstream changes to these files merged after ``commit`` that the PRs build on (``backports`` in base.toml,
+    #: paths relative to the base's folder): each is a git-am patch applied, one commit each, below ``upstream``.
+    backports: tuple[Path, ...] = ()
 
     @property
     def top_levels(self) -> list[str]:
@@ -175,7 +178,7 @@ def load_base(version: str) -> Base:
         if "extras" in data:
             source = os.environ.get(EXTRAS_ENV) or data["extras"]["source"]
             extras = Extras((ROOT / source).resolve(), data["extras"]["commit"], dict(data["extras"]["sha256"]),
-                            data["extras"].get("url"))
+                            data["extras"].get("url"), tuple(folder / b for b in data["extras"].get("backports", ())))
         return Base(version, upstream["sha256"], series["tag"], folder, extras)
     except KeyError as err:
         raise StackError(f"{folder / 'base.toml'} lacks {err}") from None
@@ -344,7 +347,8 @@ def git(repo: Path, *args: str, check: bool = True, input: str | None = None) ->
 
 def init_upstream_repo(base: Base, dest: Path, require_extras: bool | None = None) -> bool:
     """Create ``dest`` as a git repository holding the pristine sdist in one commit, plus the base's upstream
-    files the sdist lacks in a second one; the last is tagged ``upstream``. Returns whether those files are in.
+    files the sdist lacks in a second one and one commit per backport to them; the last is tagged ``upstream``.
+    Returns whether those files are in.
 
     Without ``require_extras`` upstream files that are neither in their folder nor cached are not downloaded but
     left out (building a wheel needs only ``deepspeed/``); the PRs are then applied without their tests and docs."""
@@ -370,6 +374,12 @@ def init_upstream_repo(base: Base, dest: Path, require_extras: bool | None = Non
         git(dest, "add", "--force", "--", *extras.sha256)
         git(dest, "commit", "--quiet", "--no-verify", "-m",
             f"Upstream {', '.join(d + '/' for d in extras.top_levels)} at {extras.commit[:12]} (not in the sdist)")
+        for backport in extras.backports:
+            result = subprocess.run(["git", *_GIT_CONFIG, "am", "--quiet", "--keep", "--keep-cr", str(backport)],
+                                    cwd=dest, env={**os.environ, **_GIT_ENV}, text=True, stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT)
+            if result.returncode != 0:
+                raise StackError(f"upstream backport {backport} does not apply:\n{result.stdout.strip()}")
     git(dest, "tag", UPSTREAM_TAG)
     tracked = git(dest, "ls-files", "--", *BUILD_OUTPUTS).split()
     git(dest, "update-index", "--skip-worktree", *tracked)

@@ -22,8 +22,8 @@ The rules, per test id (the pytest node id under ``tests/``):
   tests failing on both (upstream's, on this machine), tests the series fixes, and outcome changes between
   pass and skip.
 - Both sides use one harness: ``tests/unit/common.py`` of the series' tree if the series changes it (0.19.8's
-  ``fix-cpu-test-harness``), else upstream's with that PR's fix applied (0.19.3; the file is the same at both
-  revisions). Without it the harness cannot compare tensors across ranks on gloo, and a failing ``pytest.raises``
+  ``fix-cpu-test-harness`` on upstream's #8397, a backport below that series), else upstream's with both applied
+  (0.19.3; the file is the same at both revisions). Without it the harness cannot compare tensors across ranks on gloo, and a failing ``pytest.raises``
   in a rank hangs the run instead of failing the test (``../shared/upstream/README.md``).
 
 Both installs share one virtualenv and its ``$TORCH_EXTENSIONS_DIR``: ``stack.py install`` keeps the times of
@@ -297,25 +297,39 @@ def lay_out_tests(upstream: Path, tree: Path, dest: Path) -> None:
         shutil.copytree(tree / "tests", dest / "tests", ignore=ignore, dirs_exist_ok=True)
 
 
+#: What makes ``tests/unit/common.py`` work on the CPU accelerator, oldest first: upstream's #8397 (merged after the
+#: 0.19.8 series' pinned test tree, which lays it in as a backport) and the 0.19.8 series' ``fix-cpu-test-harness``;
+#: each with a line that shows it is in.
+HARNESS_FIXES = (
+    (Path("patches/deepspeed-0.19.8/upstream-backports/8397-test-device-names.patch"),
+     "device = get_accelerator().current_device_name()"),
+    (Path("patches/deepspeed-0.19.8/fix-cpu-test-harness.patch"), "elif isinstance(e, Failed) and not isinstance("),
+)
+
+
 def fix_harness(tests: Path) -> str:
-    """Apply the 0.19.8 series' ``fix-cpu-test-harness`` to ``tests/unit/common.py`` if it is not in yet; returns
-    what was done, for the report."""
-    patch = ROOT / "patches" / "deepspeed-0.19.8" / "fix-cpu-test-harness.patch"
+    """Apply upstream's #8397 and the 0.19.8 series' ``fix-cpu-test-harness`` to ``tests/unit/common.py`` where they
+    are not in yet; returns what was done, for the report."""
     common = tests / "unit" / "common.py"
-    if "current_device_name()" in common.read_text(encoding="utf-8").split("def reduce_boolean_flags", 1)[-1]:
-        return "already fixed"
-    # In a scratch folder outside any git repository: inside one (scratch/ is in this one) `git apply` takes the
-    # patch's paths as relative to the repository's root and skips them.
-    with tempfile.TemporaryDirectory() as scratch:
-        target = Path(scratch) / "tests" / "unit" / "common.py"
-        target.parent.mkdir(parents=True)
-        shutil.copy2(common, target)
-        result = subprocess.run(["git", "apply", "--include=tests/unit/common.py", str(patch)], cwd=scratch,
-                                capture_output=True, text=True, env={**os.environ, "GIT_CEILING_DIRECTORIES": scratch})
-        if result.returncode != 0 or target.read_bytes() == common.read_bytes():
-            raise SystemExit(f"error: {patch.name} does not apply to {common}: {result.stderr.strip()}")
-        shutil.copy2(target, common)
-    return f"{patch.relative_to(ROOT)} applied"
+    done = []
+    for relative, marker in HARNESS_FIXES:
+        if marker in common.read_text(encoding="utf-8"):
+            continue
+        patch = ROOT / relative
+        # In a scratch folder outside any git repository: inside one (scratch/ is in this one) `git apply` takes the
+        # patch's paths as relative to the repository's root and skips them.
+        with tempfile.TemporaryDirectory() as scratch:
+            target = Path(scratch) / "tests" / "unit" / "common.py"
+            target.parent.mkdir(parents=True)
+            shutil.copy2(common, target)
+            result = subprocess.run(["git", "apply", "--include=tests/unit/common.py", str(patch)], cwd=scratch,
+                                    capture_output=True, text=True,
+                                    env={**os.environ, "GIT_CEILING_DIRECTORIES": scratch})
+            if result.returncode != 0 or target.read_bytes() == common.read_bytes():
+                raise SystemExit(f"error: {patch.name} does not apply to {common}: {result.stderr.strip()}")
+            shutil.copy2(target, common)
+        done.append(f"{relative} applied")
+    return "; ".join(done) or "already fixed"
 
 
 def series_changed_files(pristine_tests: Path, series_tests: Path, scope: tuple[str, ...]) -> list[str]:

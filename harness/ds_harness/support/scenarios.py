@@ -494,7 +494,7 @@ def factor_errors(path_name: str) -> None:
     for bad in (0, -1.0, float("inf"), float("nan")):
         with pytest.raises(ValueError, match="positive and finite"):
             engine.step(gradient_divide_factor=bad)
-    with pytest.raises(ValueError, match="a number or a 0-dim tensor"):
+    with pytest.raises(ValueError, match="a number or a (0-dim|one-element) tensor"):
         engine.step(gradient_divide_factor=torch.tensor([2.0, 2.0]))
     destroy(engine)
     managed = PATHS[path_name].initialize(gas=1, managed=True)
@@ -510,7 +510,7 @@ def factor_errors(path_name: str) -> None:
     with pytest.raises(ValueError, match="enable_backward_allreduce=False"):
         plain.step(gradient_divide_factor=4.0)
     plain.enable_backward_allreduce, plain.gradient_average = True, False
-    with pytest.raises(ValueError, match="gradient_average=False"):
+    with pytest.raises(ValueError, match="gradient_average=False|gradient_allreduce_op='sum'"):
         plain.step(gradient_divide_factor=4.0)
     destroy(plain)
     moe = PATHS["moe"].initialize(gas=1, managed=False)
@@ -569,14 +569,15 @@ def gas_scaling_mismatch_warnings(path_name: str) -> list:
         logger.warning = original
 
 
-def _wrong_factors(kind: str) -> list:
+def _wrong_factors(kind: str, stage: int) -> list:
     """(factor, message pattern) pairs one rank passes while its peers pass 4.0; built on the rank (a meta tensor
-    does not travel)."""
+    does not travel). A factor missing on one rank is checked at ZeRO stages 0 and 1 only: at stages 2 and 3 a
+    step() without a factor makes no collective of its own, exactly as a managed boundary step."""
     if kind == "unreadable":  # a 0-dim factor that is no real number: .item() raises, or float() does
         return [(torch.tensor(2.0, device="meta"), "gradient_divide_factor"),
                 (torch.tensor(2.0 + 0j), "gradient_divide_factor")]
-    return [(torch.tensor([2.0, 2.0]), "gradient_divide_factor"), (-1.0, "gradient_divide_factor"),
-            (None, "on every data-parallel rank or on none")]
+    missing = [(None, "on every data-parallel rank or on none")] if stage < 2 else []
+    return [(torch.tensor([2.0, 2.0]), "gradient_divide_factor"), (-1.0, "gradient_divide_factor")] + missing
 
 
 def factor_errors_on_one_rank(path_name: str, kind: str = "invalid") -> list:
@@ -586,12 +587,7 @@ def factor_errors_on_one_rank(path_name: str, kind: str = "invalid") -> list:
     engine = PATHS[path_name].initialize(gas=1, managed=False)
     rank = ds_comm.get_rank()
     messages = []
-    wrong = _wrong_factors(kind)
-    if engine.zero_optimization_partition_gradients():
-        # At ZeRO stages 2 and 3 a step without a factor makes no collective, so a factor missing on one rank
-        # is not detected (its ranks meet the others' step collectives, like a step() on some ranks only)
-        wrong = [(bad, match) for bad, match in wrong if bad is not None]
-    for bad, match in wrong:
+    for bad, match in _wrong_factors(kind, PATHS[path_name].stage):
         engine.backward(forward_loss(engine, 0, 0))
         with pytest.raises(ValueError, match=match) as error:
             engine.step(gradient_divide_factor=bad if rank == 0 else 4.0)
