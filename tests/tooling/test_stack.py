@@ -346,22 +346,21 @@ def test_upstream_backports_are_applied_below_the_upstream_tag(tmp_path, monkeyp
                         "diff --git a/tests/conftest.py b/tests/conftest.py\n"
                         "--- a/tests/conftest.py\n+++ b/tests/conftest.py\n"
                         "@@ -1 +1 @@\n-# upstream's\n+# upstream's, later\n")
-    monkeypatch.setattr(stack, "BASE", dataclasses.replace(base, extras=dataclasses.replace(
-        base.extras, backports=(backport, ))))
-    tree = stack.materialize(tmp_path / "tree", upto=0)
+    base = dataclasses.replace(base, extras=dataclasses.replace(base.extras, backports=(backport, )))
+    tree = stack.materialize(base, tmp_path / "tree", upto=0)
     assert (tree / "tests" / "conftest.py").read_text() == "# upstream's, later\n"
     assert stack.git(tree, "rev-list", "--count", stack.UPSTREAM_TAG).strip() == "3"
     assert stack.commit_subject(tree, stack.UPSTREAM_TAG) == "Merged upstream later (#1)"
     (base.extras.source / "tests" / "conftest.py").write_text("# upstream's\n")
     backport.write_text(backport.read_text().replace("-# upstream's\n", "-# something else\n"))
     with pytest.raises(stack.StackError, match="backport .* does not apply"):
-        stack.materialize(tmp_path / "broken", upto=0)
+        stack.materialize(base, tmp_path / "broken", upto=0)
 
 
-def test_the_0_19_8_series_builds_on_upstreams_8397(other_base):
+def test_the_0_19_8_series_builds_on_upstreams_8397():
     """The 0.19.8 series' tests compare tensors across ranks with ``allclose_on_all_ranks()``, which needs #8397 on
     the CPU accelerator; upstream merged it after the pinned test tree, so the base carries it, not a PR."""
-    base = other_base("0.19.8")
+    base = stack.load_base("0.19.8")
     assert [b.name for b in base.extras.backports] == ["8397-test-device-names.patch"]
     assert all(b.is_file() for b in base.extras.backports)
     assert "current_device_name()" not in (base.folder / "fix-cpu-test-harness.patch").read_text().split("\ndiff ", 1)[1]

@@ -299,7 +299,7 @@ def test_harness_gets_8397_and_the_failed_check_fix_once(tmp_path: Path):
     ``fix-cpu-test-harness``; a harness that has both is left as it is."""
     common = tmp_path / "tests" / "unit" / "common.py"
     common.parent.mkdir(parents=True)
-    upstream = ROOT.parent / "shared" / "upstream-0.19.3" / "tests" / "unit" / "common.py"
+    upstream = ut.ROOT.parent / "shared" / "upstream-0.19.3" / "tests" / "unit" / "common.py"
     if not upstream.is_file():
         pytest.skip(f"{upstream} is not on this machine")
     common.write_bytes(upstream.read_bytes())
