@@ -319,12 +319,12 @@ def _logical_step_collectives(path_name: str, managed: bool, factor: float | Non
 @pytest.mark.parametrize("path_name", ["zero2-fp32", "zero3-fp32", "zero2-offload", "zero3-offload"])
 def test_unmanaged_step_without_a_factor_adds_no_collective_at_zero_2_and_3(dist, path_name):
     """At ZeRO stages 2 and 3 an unmanaged step() without a factor communicates exactly as a managed boundary
-    step (no check of its own, so no host read of one either); with a factor it adds one all-reduce of two
-    float32 values, the smallest and largest factor of any rank."""
+    step (no check of its own, so no host read of one either); with a factor it adds one all-reduce of three int64
+    and their negations (whether any rank's factor is invalid, and its exact integer parts)."""
     managed = dist.run(_logical_step_collectives, path_name, True, None)
     assert all(counts for counts in managed), "a ZeRO-2/3 step on 2 ranks communicates"
     assert dist.run(_logical_step_collectives, path_name, False, None) == managed
     for counts, expected in zip(dist.run(_logical_step_collectives, path_name, False, 4.0), managed):
         all_reduce = expected.get("all_reduce", {"calls": 0, "bytes": 0})
-        expected = {**expected, "all_reduce": {"calls": all_reduce["calls"] + 1, "bytes": all_reduce["bytes"] + 8}}
+        expected = {**expected, "all_reduce": {"calls": all_reduce["calls"] + 1, "bytes": all_reduce["bytes"] + 48}}
         assert counts == expected
