@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from .http_app import DEFAULT_MAX_BODY_BYTES
 from .launch import ServerProcess, serve
 from .model import parse_base_model
 
@@ -51,6 +52,9 @@ def _server_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--keep-checkpoints", type=_positive_int, default=None, metavar="K",
                         help="keep only each training run's K newest training and K newest sampler checkpoints, "
                         "deleting older ones after each save (default: keep all)")
+    parser.add_argument("--max-body-bytes", type=_positive_int, default=DEFAULT_MAX_BODY_BYTES, metavar="N",
+                        help="request bodies over N bytes get 413 without being read (default: %(default)s)")
+    parser.add_argument("--no-access-log", action="store_true", help="no log line per HTTP request")
 
 
 def _rank_args(args: argparse.Namespace) -> list[str]:
@@ -70,6 +74,9 @@ def _rank_args(args: argparse.Namespace) -> list[str]:
         out.append("--gradient-checkpointing")
     if args.keep_checkpoints is not None:
         out += ["--keep-checkpoints", str(args.keep_checkpoints)]
+    out += ["--max-body-bytes", str(args.max_body_bytes)]
+    if args.no_access_log:
+        out.append("--no-access-log")
     return out
 
 
@@ -216,7 +223,8 @@ def main(argv: list[str] | None = None) -> int:
                                 compress_fwdbwd=not args.no_compress, long_poll_s=args.long_poll_s,
                                 base_models=tuple(args.base_model), host=args.host, device=args.device,
                                 dtype=args.dtype, gradient_checkpointing=args.gradient_checkpointing,
-                                keep_checkpoints=args.keep_checkpoints))
+                                keep_checkpoints=args.keep_checkpoints, max_body_bytes=args.max_body_bytes,
+                                access_log=not args.no_access_log))
     exit_rank(code)  # a rank that stopped cleanly skips interpreter teardown
 
 

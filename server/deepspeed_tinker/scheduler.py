@@ -9,6 +9,7 @@ it already has. No torch or DeepSpeed here: this is plain threading, testable on
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import itertools
 import threading
@@ -29,11 +30,14 @@ class Future:
 
 
 class FutureStore:
-    """Thread-safe futures with long-poll waiting."""
+    """Thread-safe futures with long-poll waiting, from threads (``wait``) or an event loop (``wait_async``: an
+    HTTP long poll holds no thread while it waits)."""
 
     def __init__(self, max_kept: int = 100_000) -> None:
         self._futures: collections.OrderedDict[str, Future] = collections.OrderedDict()
         self._cond = threading.Condition()
+        #: request_id -> the events of the coroutines waiting on it, each with its loop.
+        self._async_waiters: dict[str, list[tuple[asyncio.AbstractEventLoop, asyncio.Event]]] = {}
         self._ids = itertools.count(1)
         self._max_kept = max_kept
 
@@ -59,6 +63,8 @@ class FutureStore:
             for name, value in fields.items():
                 setattr(future, name, value)
             self._cond.notify_all()
+            for loop, event in self._async_waiters.pop(request_id, ()):
+                loop.call_soon_threadsafe(event.set)
 
     def wait(self, request_id: str, timeout: float) -> Future | None:
         """The future once finished, or still pending after ``timeout``; None if unknown."""
@@ -70,6 +76,29 @@ class FutureStore:
                 if future is None or future.status != "pending" or remaining <= 0:
                     return future
                 self._cond.wait(remaining)
+
+    async def wait_async(self, request_id: str, timeout: float) -> Future | None:
+        """``wait`` for a coroutine: the event loop goes on serving other requests meanwhile."""
+        loop = asyncio.get_running_loop()
+        event = asyncio.Event()
+        with self._cond:
+            future = self._futures.get(request_id)
+            if future is None or future.status != "pending" or timeout <= 0:
+                return future
+            self._async_waiters.setdefault(request_id, []).append((loop, event))
+        try:
+            await asyncio.wait_for(event.wait(), timeout)
+        except asyncio.TimeoutError:
+            pass
+        finally:
+            with self._cond:
+                waiters = self._async_waiters.get(request_id, [])
+                if (loop, event) in waiters:
+                    waiters.remove((loop, event))
+                    if not waiters:
+                        del self._async_waiters[request_id]
+        with self._cond:
+            return self._futures.get(request_id)
 
 
 @dataclass

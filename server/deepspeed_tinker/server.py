@@ -27,7 +27,8 @@ import torch
 import torch.distributed as dist
 
 from ds_harness.ranks import disable_cpu_shm_allreduce
-from .api import ApiSettings, TinkerApi, start_http
+from .api import ApiSettings, TinkerApi
+from .http_app import DEFAULT_MAX_BODY_BYTES, HttpServer, HttpSettings, build_app
 from .byte_tokenizer import write_byte_tokenizer
 from .model import register_local_model
 from .scheduler import FutureStore, Job, Scheduler
@@ -59,6 +60,10 @@ class RankOptions:
     gradient_checkpointing: bool = False
     #: Keep only each training run's K newest training and K newest sampler checkpoints (``--keep-checkpoints``).
     keep_checkpoints: int | None = None
+    #: Request bodies over this many bytes get 413 (``--max-body-bytes``).
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    #: One log line per HTTP request (``--no-access-log`` turns it off).
+    access_log: bool = True
 
 
 def versions_line() -> str:
@@ -129,11 +134,12 @@ def _drive(worker: Worker, options: RankOptions) -> None:
     api = TinkerApi(scheduler, ApiSettings(options.checkpoint_root, options.max_chunk_datums, options.compress_fwdbwd,
                                            options.long_poll_s, tokenizer_dir.resolve(),
                                            keep_checkpoints=options.keep_checkpoints))
-    http = start_http(api, options.port, options.host)
+    http_settings = HttpSettings(max_body_bytes=options.max_body_bytes, access_log=options.access_log)
+    http = HttpServer(build_app(api, http_settings), options.host, options.port, http_settings).start()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: scheduler.stop())
     host = "127.0.0.1" if options.host in ("", "0.0.0.0") else options.host
-    base_url = f"http://{host}:{http.server_address[1]}"
+    base_url = f"http://{host}:{http.port}"
     print(f"[tinker-server] {versions_line()}", flush=True)
     print(f"[tinker-server] {worker.world_size} ranks on {worker.device.type}, ZeRO stage {worker.zero_stage}, "
           f"{worker.dtype}{', gradient checkpointing' if worker.gradient_checkpointing else ''}, "
