@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import argparse
 import os
+import secrets
 import subprocess
 import sys
 from pathlib import Path
 
 from .http_app import DEFAULT_MAX_BODY_BYTES
+from .keys import KEYS_ENV, check_host, load_api_keys
 from .launch import ServerProcess, serve
 from .model import parse_base_model
 
@@ -55,6 +57,9 @@ def _server_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-body-bytes", type=_positive_int, default=DEFAULT_MAX_BODY_BYTES, metavar="N",
                         help="request bodies over N bytes get 413 without being read (default: %(default)s)")
     parser.add_argument("--no-access-log", action="store_true", help="no log line per HTTP request")
+    parser.add_argument("--api-keys-file", type=Path, default=None, metavar="FILE",
+                        help=f"the API keys to accept, one per line (plus ${KEYS_ENV}, comma-separated); any other "
+                        "key gets 401. Without keys: any 'tml-' key, loopback only")
 
 
 def _rank_args(args: argparse.Namespace) -> list[str]:
@@ -75,6 +80,8 @@ def _rank_args(args: argparse.Namespace) -> list[str]:
     if args.keep_checkpoints is not None:
         out += ["--keep-checkpoints", str(args.keep_checkpoints)]
     out += ["--max-body-bytes", str(args.max_body_bytes)]
+    if args.api_keys_file is not None:
+        out += ["--api-keys-file", str(args.api_keys_file.expanduser().resolve())]
     if args.no_access_log:
         out.append("--no-access-log")
     return out
@@ -101,18 +108,30 @@ def _precision_args(args: argparse.Namespace) -> list[str]:
     return ["--dtype", args.dtype, *(["--gradient-checkpointing"] if args.gradient_checkpointing else [])]
 
 
+def _demo_key(checkpoints: Path) -> tuple[list[str], dict[str, str]]:
+    """A fresh API key for a demo: the server's ``--api-keys-file`` arguments, and the client's environment
+    (``TINKER_API_KEY``, which the SDK reads)."""
+    key = f"tml-demo-{secrets.token_hex(16)}"
+    checkpoints.mkdir(parents=True, exist_ok=True)
+    keys_file = checkpoints / "api-keys"
+    keys_file.touch(mode=0o600)
+    keys_file.write_text(key + "\n")
+    return ["--api-keys-file", str(keys_file)], {**os.environ, "TINKER_API_KEY": key}
+
+
 def _demo(args: argparse.Namespace) -> int:
     """Start a server on ``--world-size`` CPU ranks, run the SFT client against it, stop the server."""
     checkpoints = args.checkpoint_dir / "demo"
+    key_args, client_env = _demo_key(checkpoints)
     server = ServerProcess(world_size=args.world_size, zero_stage=args.zero_stage, checkpoint_dir=checkpoints,
                            extra_args=["--max-chunk-datums", "8", "--device", _demo_device(args),
-                                       *_precision_args(args)])
+                                       *_precision_args(args), *key_args])
     print(f"[demo] starting the server on {args.world_size} CPU ranks (ZeRO stage {args.zero_stage})", flush=True)
     base_url = server.start()
     try:
         client = [args.client_python, _client("sft_client.py"), "--base-url", base_url,
                   "--rank", str(args.rank), "--steps", str(args.steps)]
-        return subprocess.run(client, timeout=args.timeout_s).returncode
+        return subprocess.run(client, timeout=args.timeout_s, env=client_env).returncode
     finally:
         code = server.stop()
         print(f"[demo] server stopped (exit code {code})", flush=True)
@@ -121,15 +140,16 @@ def _demo(args: argparse.Namespace) -> int:
 def _rl_demo(args: argparse.Namespace) -> int:
     """Start a server on ``--world-size`` CPU ranks, run tinker-cookbook's RL loop against it, stop the server."""
     checkpoints = args.checkpoint_dir / "rl-demo"
+    key_args, client_env = _demo_key(checkpoints)
     server = ServerProcess(world_size=args.world_size, zero_stage=args.zero_stage, checkpoint_dir=checkpoints,
                            extra_args=["--max-chunk-datums", str(args.max_chunk_datums), "--device",
-                                       _demo_device(args), *_precision_args(args)])
+                                       _demo_device(args), *_precision_args(args), *key_args])
     print(f"[rl-demo] starting the server on {args.world_size} CPU ranks (ZeRO stage {args.zero_stage})", flush=True)
     base_url = server.start()
     try:
         client = [args.client_python, _client("rl_client.py"), "--base-url", base_url,
                   "--log-dir", str(checkpoints / "cookbook-log")]
-        return subprocess.run(client, timeout=args.timeout_s).returncode
+        return subprocess.run(client, timeout=args.timeout_s, env=client_env).returncode
     finally:
         code = server.stop()
         print(f"[rl-demo] server stopped (exit code {code})", flush=True)
@@ -142,9 +162,10 @@ def _recipes_demo(args: argparse.Namespace) -> int:
 
     checkpoints = args.checkpoint_dir / "recipes-demo"
     model_dir = build_tiny_model(checkpoints / "qwen3-tiny", "qwen3")
+    key_args, client_env = _demo_key(checkpoints)
     server = ServerProcess(world_size=args.world_size, zero_stage=args.zero_stage, checkpoint_dir=checkpoints,
                            extra_args=["--base-model", f"Qwen/Qwen3-8B={model_dir}", "--device", _demo_device(args),
-                                       *_precision_args(args)])
+                                       *_precision_args(args), *key_args])
     print(f"[recipes-demo] starting the server on {args.world_size} CPU ranks (ZeRO stage {args.zero_stage})",
           flush=True)
     base_url = server.start()
@@ -152,7 +173,7 @@ def _recipes_demo(args: argparse.Namespace) -> int:
         client = [args.client_python, _client("recipes_client.py"), "--base-url", base_url,
                   "--model-dir", str(model_dir), "--log-dir", str(checkpoints / "cookbook-log"), "--steps",
                   str(args.steps)]
-        return subprocess.run(client, timeout=args.timeout_s).returncode
+        return subprocess.run(client, timeout=args.timeout_s, env=client_env).returncode
     finally:
         code = server.stop()
         print(f"[recipes-demo] server stopped (exit code {code})", flush=True)
@@ -207,6 +228,11 @@ def main(argv: list[str] | None = None) -> int:
     # The deepspeed launcher passes --local_rank=N before the command (LOCAL_RANK is in the environment too).
     parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.command in ("serve", "rank"):
+        try:
+            check_host(args.host, load_api_keys(args.api_keys_file))
+        except ValueError as e:
+            parser.error(str(e))
     if args.command == "serve":
         return serve(args.world_size, _rank_args(args), device=args.device)
     if args.command == "demo":
@@ -224,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
                                 base_models=tuple(args.base_model), host=args.host, device=args.device,
                                 dtype=args.dtype, gradient_checkpointing=args.gradient_checkpointing,
                                 keep_checkpoints=args.keep_checkpoints, max_body_bytes=args.max_body_bytes,
-                                access_log=not args.no_access_log))
+                                access_log=not args.no_access_log, api_keys_file=args.api_keys_file))
     exit_rank(code)  # a rank that stopped cleanly skips interpreter teardown
 
 

@@ -30,6 +30,7 @@ from ds_harness.ranks import disable_cpu_shm_allreduce
 from .api import ApiSettings, TinkerApi
 from .http_app import DEFAULT_MAX_BODY_BYTES, HttpServer, HttpSettings, build_app
 from .byte_tokenizer import write_byte_tokenizer
+from .keys import check_host, load_api_keys, startup_line
 from .model import register_local_model
 from .scheduler import FutureStore, Job, Scheduler
 from .wire import UserError
@@ -64,6 +65,8 @@ class RankOptions:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     #: One log line per HTTP request (``--no-access-log`` turns it off).
     access_log: bool = True
+    #: The API keys to accept, one per line (``--api-keys-file``; ``$DEEPSPEED_TINKER_API_KEYS`` adds more).
+    api_keys_file: Path | None = None
 
 
 def versions_line() -> str:
@@ -134,7 +137,9 @@ def _drive(worker: Worker, options: RankOptions) -> None:
     api = TinkerApi(scheduler, ApiSettings(options.checkpoint_root, options.max_chunk_datums, options.compress_fwdbwd,
                                            options.long_poll_s, tokenizer_dir.resolve(),
                                            keep_checkpoints=options.keep_checkpoints))
-    http_settings = HttpSettings(max_body_bytes=options.max_body_bytes, access_log=options.access_log)
+    keys = load_api_keys(options.api_keys_file)
+    check_host(options.host, keys)
+    http_settings = HttpSettings(max_body_bytes=options.max_body_bytes, access_log=options.access_log, api_keys=keys)
     http = HttpServer(build_app(api, http_settings), options.host, options.port, http_settings).start()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: scheduler.stop())
@@ -144,6 +149,7 @@ def _drive(worker: Worker, options: RankOptions) -> None:
     print(f"[tinker-server] {worker.world_size} ranks on {worker.device.type}, ZeRO stage {worker.zero_stage}, "
           f"{worker.dtype}{', gradient checkpointing' if worker.gradient_checkpointing else ''}, "
           f"serving {base_url} (pid {os.getpid()})", flush=True)
+    print(f"[tinker-server] {startup_line(options.host, keys)}", flush=True)
     if options.ready_file is not None:
         tmp = options.ready_file.with_suffix(".tmp")
         tmp.write_text(json.dumps({"base_url": base_url, "pid": os.getpid()}))

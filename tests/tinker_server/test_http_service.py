@@ -141,3 +141,16 @@ def test_long_polls_hold_no_thread(limited_server) -> None:
     assert len(replies) == polls and all(r.get("type") == "try_again" for r in replies), replies[:3]
     assert during - before < 8, f"rank 0 went from {before} to {during} threads during {polls} long polls"
     post(base_url, f"sessions/{session['session_id']}/finish", {})
+
+
+def test_only_the_servers_key_is_accepted(limited_server) -> None:
+    """The server was given one key (``start_server``'s keys file): any other gets 401, and the SDK raises."""
+    tinker = require("tinker")
+    session = {"tags": [], "user_metadata": {}, "sdk_version": "0.38.0"}
+    assert "session_id" in post(limited_server.base_url, "create_session", session)
+    for key in ("tml-not-given", API_KEY + "x"):
+        reply = post(limited_server.base_url, "create_session", session, **{"X-API-Key": key})
+        assert reply["http_status"] == 401 and reply["category"] == "user", reply
+    with pytest.raises(tinker.AuthenticationError, match="unknown API key"):
+        tinker.RestClient(base_url=limited_server.base_url, api_key="tml-not-given").get_server_capabilities().result()
+    assert "accepting 1 API key(s); any other key gets 401" in limited_server.log_path.read_text(errors="replace")
