@@ -16,6 +16,7 @@ from pathlib import Path
 from .http_app import DEFAULT_MAX_BODY_BYTES
 from .keys import KEYS_ENV, check_host, load_api_keys
 from .launch import ServerProcess, serve
+from .scheduler import DEFAULT_FUTURE_TTL_S, DEFAULT_MAX_FUTURES
 from .model import parse_base_model
 
 #: Relative to the working directory the server starts in.
@@ -57,6 +58,11 @@ def _server_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-body-bytes", type=_positive_int, default=DEFAULT_MAX_BODY_BYTES, metavar="N",
                         help="request bodies over N bytes get 413 without being read (default: %(default)s)")
     parser.add_argument("--no-access-log", action="store_true", help="no log line per HTTP request")
+    parser.add_argument("--max-futures", type=_positive_int, default=DEFAULT_MAX_FUTURES, metavar="N",
+                        help="requests held at most, pending or finished and not yet expired; past it new work gets "
+                        "429 (never is a pending request dropped) (default: %(default)s)")
+    parser.add_argument("--future-ttl-s", type=float, default=DEFAULT_FUTURE_TTL_S, metavar="S",
+                        help="how long a finished request's result is kept for retrieve_future (default: %(default)s)")
     parser.add_argument("--api-keys-file", type=Path, default=None, metavar="FILE",
                         help=f"the API keys to accept, one per line (plus ${KEYS_ENV}, comma-separated); any other "
                         "key gets 401. Without keys: any 'tml-' key, loopback only")
@@ -79,7 +85,8 @@ def _rank_args(args: argparse.Namespace) -> list[str]:
         out.append("--gradient-checkpointing")
     if args.keep_checkpoints is not None:
         out += ["--keep-checkpoints", str(args.keep_checkpoints)]
-    out += ["--max-body-bytes", str(args.max_body_bytes)]
+    out += ["--max-body-bytes", str(args.max_body_bytes), "--max-futures", str(args.max_futures), "--future-ttl-s",
+            str(args.future_ttl_s)]
     if args.api_keys_file is not None:
         out += ["--api-keys-file", str(args.api_keys_file.expanduser().resolve())]
     if args.no_access_log:
@@ -250,7 +257,8 @@ def main(argv: list[str] | None = None) -> int:
                                 base_models=tuple(args.base_model), host=args.host, device=args.device,
                                 dtype=args.dtype, gradient_checkpointing=args.gradient_checkpointing,
                                 keep_checkpoints=args.keep_checkpoints, max_body_bytes=args.max_body_bytes,
-                                access_log=not args.no_access_log, api_keys_file=args.api_keys_file))
+                                access_log=not args.no_access_log, api_keys_file=args.api_keys_file,
+                                max_futures=args.max_futures, future_ttl_s=args.future_ttl_s))
     exit_rank(code)  # a rank that stopped cleanly skips interpreter teardown
 
 

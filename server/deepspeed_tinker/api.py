@@ -27,7 +27,7 @@ from .model import BASE_MODELS, DEFAULT_LORA_RANK, BaseModelSpec, LoraSpec
 from .responses import Response, error_response, json_response
 from .rest_api import RunsApi, parse_ttl
 from .sampling import SampleResult, SnapshotRef, encode_sample_response, parse_sample, sample_response_json
-from .scheduler import FutureStore, Scheduler
+from .scheduler import FutureStore, FutureStoreFull, Scheduler
 from .stability import StabilityRecords, resolve_provenance
 from .wire import (PROTO_CONTENT_TYPE, PROVENANCE_LOSSES, FwdBwdRequest, FwdBwdResult, UserError, check_against_model,
                    encode_forward_backward_output, forward_backward_output_json, parse_forward_backward, parse_json,
@@ -183,7 +183,9 @@ class TinkerApi:
             response = handler(headers, body)
         except UserError as e:
             response = error_response(400, str(e))
-        if key and response.status < 500:
+        except FutureStoreFull as e:  # nothing was queued: the client may retry the same request later
+            response = error_response(429, str(e))
+        if key and response.status < 500 and response.status != 429:
             with self._lock:
                 self._replies[key] = response
                 while len(self._replies) > 10_000:
@@ -230,7 +232,7 @@ class TinkerApi:
                 self._creates.pop(model_id, None)
         for model_id in model_ids:
             self.scheduler.close_model(model_id)
-            self.scheduler.submit("unload", model_id)
+            self.scheduler.submit("unload", model_id, internal=True)
         return json_response({})
 
     def _new_model(self, body: dict[str, Any], lora: LoraSpec | None, base_model: str) -> ModelRecord:
@@ -249,17 +251,19 @@ class TinkerApi:
     def _open(self, record: ModelRecord, jobs: list[tuple[str, Any]]) -> Response:
         """Make a model addressable and queue the jobs that bring it up; the client waits on the last.
 
-        A retried create (same session and ``model_seq_id``) gets the first future back.
+        A retried create (same session and ``model_seq_id``) gets the first future back. With the future store
+        full it is refused (429) before anything is registered.
         """
         with self._lock:
             request_id = self._creates.get(record.model_id)
             if request_id is None:
+                self.futures.check_room(len(jobs))
                 if not self.scheduler.open_model(record.model_id):
                     raise UserError(f"model {record.model_id} already exists")
                 self._models[record.model_id] = record
                 self._sessions.setdefault(record.session_id, set()).add(record.model_id)
-                for kind, payload in jobs:
-                    request_id = self.scheduler.submit(kind, record.model_id, payload)
+                for kind, payload in jobs:  # room checked: internal, so none is refused half-way
+                    request_id = self.scheduler.submit(kind, record.model_id, payload, internal=True)
                 self._creates[record.model_id] = request_id
         return json_response({"request_id": request_id, "model_id": record.model_id})
 

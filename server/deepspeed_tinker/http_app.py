@@ -60,6 +60,8 @@ class HttpSettings:
 def to_http(response: Response) -> HttpResponse:
     """The protocol layer's response as Starlette's; an error says the SDK should not retry it."""
     headers = {"x-should-retry": "false"} if response.status >= 400 else None
+    if response.status == 429:  # the server is full: the SDK retries (with backoff), then raises this message
+        headers = {"retry-after": "1"}
     if response.file is not None:
         if not response.file.is_file():  # deleted since the handler looked
             return to_http(error_response(404, "the file is gone"))

@@ -28,11 +28,11 @@ import torch.distributed as dist
 
 from ds_harness.ranks import disable_cpu_shm_allreduce
 from .api import ApiSettings, TinkerApi
-from .http_app import DEFAULT_MAX_BODY_BYTES, HttpServer, HttpSettings, build_app
 from .byte_tokenizer import write_byte_tokenizer
+from .http_app import DEFAULT_MAX_BODY_BYTES, HttpServer, HttpSettings, build_app
 from .keys import check_host, load_api_keys, startup_line
 from .model import register_local_model
-from .scheduler import FutureStore, Job, Scheduler
+from .scheduler import DEFAULT_FUTURE_TTL_S, DEFAULT_MAX_FUTURES, FutureStore, Job, Scheduler
 from .wire import UserError
 from .worker import Worker, merge
 
@@ -67,6 +67,10 @@ class RankOptions:
     access_log: bool = True
     #: The API keys to accept, one per line (``--api-keys-file``; ``$DEEPSPEED_TINKER_API_KEYS`` adds more).
     api_keys_file: Path | None = None
+    #: Futures held at most (pending + finished and kept); past it new work gets 429 (``--max-futures``).
+    max_futures: int = DEFAULT_MAX_FUTURES
+    #: How long a finished result is kept for ``retrieve_future`` (``--future-ttl-s``).
+    future_ttl_s: float = DEFAULT_FUTURE_TTL_S
 
 
 def versions_line() -> str:
@@ -131,7 +135,7 @@ def _execute_samples(worker: Worker, jobs: list[Job], futures: FutureStore) -> l
 
 def _drive(worker: Worker, options: RankOptions) -> None:
     """Rank 0: serve HTTP, execute jobs in order until SIGTERM/SIGINT, then stop the followers."""
-    futures = FutureStore()
+    futures = FutureStore(options.max_futures, options.future_ttl_s)
     scheduler = Scheduler(futures)
     tokenizer_dir = write_byte_tokenizer(options.checkpoint_root / "tokenizers" / "byte-level")
     api = TinkerApi(scheduler, ApiSettings(options.checkpoint_root, options.max_chunk_datums, options.compress_fwdbwd,

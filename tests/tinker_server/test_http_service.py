@@ -1,6 +1,8 @@
-"""The HTTP stack on real ranks: keep-alive latency, the body limit, long polls that hold no thread.
+"""The HTTP stack on real ranks: keep-alive latency, the body limit, long polls that hold no thread, API keys, the
+bounded future store.
 
-One 2-rank server (ZeRO stage 1) with a 1 MiB body limit and 5 s long polls serves the module; clients speak raw HTTP on loopback.
+One 2-rank server (ZeRO stage 1) with a 1 MiB body limit, 5 s long polls and a small future store (64, results
+kept 4 s) serves the module; clients speak raw HTTP on loopback.
 """
 
 from __future__ import annotations
@@ -15,20 +17,25 @@ import threading
 import time
 from typing import Iterator
 
+import numpy as np
 import pytest
 
-from tinker_sdk_helpers import API_KEY, log_tail, post, require, result, start_server, stop_server
+from tinker_sdk_helpers import (API_KEY, fwdbwd_proto, log_tail, poll_once, post, random_data, require, result,
+                                start_server, stop_server)
 
 pytestmark = pytest.mark.pr("zero-0-1")
 LIMIT = 1 << 20
 LONG_POLL_S = 5.0
+MAX_FUTURES = 64
+FUTURE_TTL_S = 4.0
 
 
 @pytest.fixture(scope="module")
 def limited_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
     require("tinker")
     tmp_dir = tmp_path_factory.mktemp("tinker-http")
-    server = start_server(tmp_dir, 1, extra_args=("--max-body-bytes", str(LIMIT), "--long-poll-s", str(LONG_POLL_S)))
+    server = start_server(tmp_dir, 1, extra_args=("--max-body-bytes", str(LIMIT), "--long-poll-s", str(LONG_POLL_S),
+                                             "--max-futures", str(MAX_FUTURES), "--future-ttl-s", str(FUTURE_TTL_S)))
     try:
         yield server
     finally:
@@ -154,3 +161,28 @@ def test_only_the_servers_key_is_accepted(limited_server) -> None:
     with pytest.raises(tinker.AuthenticationError, match="unknown API key"):
         tinker.RestClient(base_url=limited_server.base_url, api_key="tml-not-given").get_server_capabilities().result()
     assert "accepting 1 API key(s); any other key gets 401" in limited_server.log_path.read_text(errors="replace")
+
+
+def test_a_flood_is_refused_with_429_and_a_pending_future_survives(limited_server) -> None:
+    """Past ``--max-futures`` new work gets 429 naming the limit; the held-back request is still pending (not
+    dropped), runs once its predecessor is let in (after the flood's results expire), and its result is served."""
+    base_url = limited_server.base_url
+    session = post(base_url, "create_session", {"tags": [], "user_metadata": {}, "sdk_version": "0.38.0"})
+    model = post(base_url, "create_model", {"session_id": session["session_id"], "model_seq_id": 0,
+                                            "base_model": "tiny-llama-byte", "lora_config": {"rank": 4}})
+    assert "error" not in result(base_url, model["request_id"])
+    adam = {"adam_params": {"learning_rate": 1e-3}}
+    held = post(base_url, "optim_step", {"model_id": model["model_id"], "seq_id": 2, **adam})["request_id"]
+    for _ in range(4 * MAX_FUTURES):  # requests for an unknown model: each a failed future, kept for the TTL
+        reply = post(base_url, "optim_step", {"model_id": "nope", "seq_id": 1, **adam})
+        if reply.get("http_status") == 429:
+            break
+    assert reply.get("http_status") == 429 and f"limit of {MAX_FUTURES} (--max-futures)" in reply["error"], reply
+    assert poll_once(base_url, held)["type"] == "try_again", "the pending request survived the flood"
+    time.sleep(FUTURE_TTL_S + 0.5)
+    data = random_data(np.random.default_rng(0), 2)
+    first = post(base_url, "forward_backward", fwdbwd_proto(model["model_id"], 1, data))["request_id"]
+    assert "error" not in result(base_url, first)
+    assert "error" not in result(base_url, held)
+    post(base_url, f"sessions/{session['session_id']}/finish", {})
+
