@@ -63,6 +63,9 @@ def _server_options(parser: argparse.ArgumentParser) -> None:
                         "429 (never is a pending request dropped) (default: %(default)s)")
     parser.add_argument("--future-ttl-s", type=float, default=DEFAULT_FUTURE_TTL_S, metavar="S",
                         help="how long a finished request's result is kept for retrieve_future (default: %(default)s)")
+    parser.add_argument("--threads-per-rank", type=_positive_int, default=None, metavar="N",
+                        help="torch intra-op threads per rank (default: $OMP_NUM_THREADS if set, else the cores this "
+                        "process may use divided by the ranks on this node)")
     parser.add_argument("--api-keys-file", type=Path, default=None, metavar="FILE",
                         help=f"the API keys to accept, one per line (plus ${KEYS_ENV}, comma-separated); any other "
                         "key gets 401. Without keys: any 'tml-' key, loopback only")
@@ -87,6 +90,8 @@ def _rank_args(args: argparse.Namespace) -> list[str]:
         out += ["--keep-checkpoints", str(args.keep_checkpoints)]
     out += ["--max-body-bytes", str(args.max_body_bytes), "--max-futures", str(args.max_futures), "--future-ttl-s",
             str(args.future_ttl_s)]
+    if args.threads_per_rank is not None:
+        out += ["--threads-per-rank", str(args.threads_per_rank)]
     if args.api_keys_file is not None:
         out += ["--api-keys-file", str(args.api_keys_file.expanduser().resolve())]
     if args.no_access_log:
@@ -258,7 +263,8 @@ def main(argv: list[str] | None = None) -> int:
                                 dtype=args.dtype, gradient_checkpointing=args.gradient_checkpointing,
                                 keep_checkpoints=args.keep_checkpoints, max_body_bytes=args.max_body_bytes,
                                 access_log=not args.no_access_log, api_keys_file=args.api_keys_file,
-                                max_futures=args.max_futures, future_ttl_s=args.future_ttl_s))
+                                max_futures=args.max_futures, future_ttl_s=args.future_ttl_s,
+                                threads_per_rank=args.threads_per_rank))
     exit_rank(code)  # a rank that stopped cleanly skips interpreter teardown
 
 

@@ -33,6 +33,7 @@ from .http_app import DEFAULT_MAX_BODY_BYTES, HttpServer, HttpSettings, build_ap
 from .keys import check_host, load_api_keys, startup_line
 from .model import register_local_model
 from .scheduler import DEFAULT_FUTURE_TTL_S, DEFAULT_MAX_FUTURES, FutureStore, Job, Scheduler
+from .threads import intra_op_threads
 from .wire import UserError
 from .worker import Worker, merge
 
@@ -71,6 +72,8 @@ class RankOptions:
     max_futures: int = DEFAULT_MAX_FUTURES
     #: How long a finished result is kept for ``retrieve_future`` (``--future-ttl-s``).
     future_ttl_s: float = DEFAULT_FUTURE_TTL_S
+    #: torch intra-op threads per rank (``--threads-per-rank``); None: the rank's share of the cores (``threads``).
+    threads_per_rank: int | None = None
 
 
 def versions_line() -> str:
@@ -223,6 +226,9 @@ def run_rank(options: RankOptions) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     warnings.filterwarnings("ignore", category=FutureWarning)  # libraries' deprecation notices, not ours
     backend, device = backend_and_device(options.device)
+    threads, why = intra_op_threads(options.threads_per_rank)
+    torch.set_num_threads(threads)
+    print(f"[tinker-server] rank {os.environ.get('RANK', '0')}: {threads} intra-op thread(s) ({why})", flush=True)
     for path in options.base_models:
         register_local_model(path)
     # Ranks > 0 wait in a broadcast while the server is idle: give that wait a day, not 30 minutes.

@@ -186,3 +186,9 @@ def test_a_flood_is_refused_with_429_and_a_pending_future_survives(limited_serve
     assert "error" not in result(base_url, held)
     post(base_url, f"sessions/{session['session_id']}/finish", {})
 
+
+def test_each_rank_logs_its_intra_op_threads(limited_server) -> None:
+    """The tests run with OMP_NUM_THREADS=1 (or the rank's share of the cores): every rank says so at start-up."""
+    lines = re.findall(r"rank (\d): (\d+) intra-op thread\(s\) \((.+)\)", limited_server.log_path.read_text())
+    assert sorted(rank for rank, _, _ in lines) == ["0", "1"], lines
+    assert all(int(threads) >= 1 for _, threads, _ in lines)

@@ -42,7 +42,8 @@ def test_sampling_params_get_tinker_defaults() -> None:
     assert (job.temperature, job.top_k, job.top_p) == (1.0, -1, 1.0)
     assert job.stop_tokens == (7, ) and job.stop_strings == (), "stop=None keeps the model's EOS"
     assert parse(body([1], stop=[]), eos=(7, )).stop_tokens == (), "stop=[] disables even EOS"
-    assert parse(body([1], stop="\n\n")).stop_strings == ("\n\n", )
+    strings = parse(body([1], stop="\n\n"), eos=(7, ))
+    assert strings.stop_strings == ("\n\n", ) and strings.stop_tokens == (7, ), "stop strings keep the EOS too"
     assert parse(body([1], stop=[3, 4])).stop_tokens == (3, 4)
     seeded = [parse(body([1], seed=5), seed=s).seeds for s in (1, 2)]
     assert seeded[0] == seeded[1] and len(set(seeded[0])) == 2, "one seed per sample, fixed by the request's seed"
