@@ -116,8 +116,10 @@ def _demo_device(args: argparse.Namespace) -> str:
 
 
 def _precision_args(args: argparse.Namespace) -> list[str]:
-    """``--dtype`` and ``--gradient-checkpointing`` for the demos' server."""
-    return ["--dtype", args.dtype, *(["--gradient-checkpointing"] if args.gradient_checkpointing else [])]
+    """``--dtype`` and ``--gradient-checkpointing`` for the demos' server, and its access log (off unless asked:
+    the demos print their clients' progress, not a line per request)."""
+    return ["--dtype", args.dtype, *(["--gradient-checkpointing"] if args.gradient_checkpointing else []),
+            *([] if args.access_log else ["--no-access-log"])]
 
 
 def _demo_key(checkpoints: Path) -> tuple[list[str], dict[str, str]]:
@@ -211,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     demo_cmd.add_argument("--client-python", default=sys.executable,
                           help="Python that has the tinker SDK (default: this one)")
     demo_cmd.add_argument("--timeout-s", type=float, default=900)
+    demo_cmd.add_argument("--access-log", action="store_true", help="the server's log line per HTTP request")
     _server_options(demo_cmd)
 
     rl_cmd = commands.add_parser("rl-demo", help="server on 2 CPU ranks + tinker-cookbook's RL loop, then stop")
@@ -218,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     rl_cmd.add_argument("--client-python", default=sys.executable,
                         help="Python that has tinker-cookbook (default: this one)")
     rl_cmd.add_argument("--timeout-s", type=float, default=900)
+    rl_cmd.add_argument("--access-log", action="store_true", help="the server's log line per HTTP request")
     _server_options(rl_cmd)
 
     recipes_cmd = commands.add_parser("recipes-demo",
@@ -228,6 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     recipes_cmd.add_argument("--client-python", default=sys.executable,
                              help="Python that has tinker-cookbook (default: this one)")
     recipes_cmd.add_argument("--timeout-s", type=float, default=900)
+    recipes_cmd.add_argument("--access-log", action="store_true", help="the server's log line per HTTP request")
     _server_options(recipes_cmd)
 
     rank_cmd = commands.add_parser("rank", help="one rank of a server: `serve` starts these; so can torchrun "

@@ -8,6 +8,7 @@ error in the future's result.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import json
 import math
@@ -649,6 +650,8 @@ class TinkerApi:
             return json_response({"type": "try_again", "request_id": request_id, "queue_state": "active"})
         if future.status == "error":
             return json_response({"error": future.error, "category": future.category})
+        if isinstance(future.result, (SampleResult, FwdBwdResult)):  # encoding a large result: off the event loop
+            return await asyncio.to_thread(self.result_response, future.result, accept)
         return self.result_response(future.result, accept)
 
     @staticmethod
