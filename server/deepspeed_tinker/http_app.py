@@ -254,8 +254,10 @@ def _parse(model: type[BaseModel], raw: bytes) -> Any:
         return to_http(error_response(400, _validation_message(e.errors())))
 
 
-def _bind(function: Callable[..., Awaitable[HttpResponse]], *bound: Any) -> Callable[[Request],
-                                                                                      Awaitable[HttpResponse]]:
+Endpoint = Callable[[Request], Awaitable[HttpResponse]]
+
+
+def _bind(function: Callable[..., Awaitable[HttpResponse]], *bound: Any) -> Endpoint:
     """A route endpoint taking only the request (FastAPI reads the endpoint's signature)."""
 
     async def endpoint(request: Request) -> HttpResponse:

@@ -23,7 +23,8 @@ def client(api: TinkerApi, settings: HttpSettings | None = None):
     from starlette.testclient import TestClient
 
     if settings is not None or id(api) not in _clients or _clients[id(api)][0] is not api:
-        _clients[id(api)] = (api, TestClient(build_app(api, settings or HttpSettings()), raise_server_exceptions=False))
+        app = build_app(api, settings or HttpSettings())
+        _clients[id(api)] = (api, TestClient(app, raise_server_exceptions=False))
     return _clients[id(api)][1]
 
 

@@ -34,8 +34,9 @@ FUTURE_TTL_S = 4.0
 def limited_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
     require("tinker")
     tmp_dir = tmp_path_factory.mktemp("tinker-http")
-    server = start_server(tmp_dir, 1, extra_args=("--max-body-bytes", str(LIMIT), "--long-poll-s", str(LONG_POLL_S),
-                                             "--max-futures", str(MAX_FUTURES), "--future-ttl-s", str(FUTURE_TTL_S)))
+    options = ("--max-body-bytes", str(LIMIT), "--long-poll-s", str(LONG_POLL_S), "--max-futures", str(MAX_FUTURES),
+               "--future-ttl-s", str(FUTURE_TTL_S))
+    server = start_server(tmp_dir, 1, extra_args=options)
     try:
         yield server
     finally:

@@ -168,7 +168,7 @@ def test_signed_urls_cannot_be_forged_or_reused_after_expiry() -> None:
 
 def request(api: TinkerApi, method: str, route: str, body: dict | None = None, headers: dict | None = None):
     response = handle(api, method, route if route.startswith("/") else f"/api/v1/{route}", headers or KEY,
-                          json.dumps(body).encode() if body is not None else b"")
+                      json.dumps(body).encode() if body is not None else b"")
     return response.status, response
 
 
