@@ -10,6 +10,7 @@ call's gradient and applies exactly one update. Tokens are bytes, so no tokenize
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -57,7 +58,9 @@ def split(items: list, parts: int) -> list[list]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--base-url", required=True)
-    parser.add_argument("--api-key", default="tml-local-demo", help="any key with the SDK's 'tml-' prefix")
+    parser.add_argument("--api-key", default=os.environ.get("TINKER_API_KEY", "tml-local-demo"),
+                        help="default: $TINKER_API_KEY (the demo sets it to the key its server accepts); a server "
+                        "started without keys accepts any key with the SDK's 'tml-' prefix")
     parser.add_argument("--base-model", default="tiny-llama-byte")
     parser.add_argument("--rank", type=int, default=16, help="LoRA rank; 0 asks this server for full fine-tuning")
     parser.add_argument("--steps", type=int, default=len(CALLS_PER_STEP))

@@ -4,7 +4,8 @@ Layers, each its own module:
 
 - ``wire`` / ``sampling``: Tinker's wire formats (the SDK's own protobuf modules), validation, result encoding.
 - ``scheduler``: futures, strict per-model ``seq_id`` order, idempotent retries.
-- ``api``: the HTTP endpoints the official ``tinker`` SDK (and tinker-cookbook) call, on rank 0.
+- ``api``: the requests the official ``tinker`` SDK (and tinker-cookbook) send, on rank 0.
+- ``http_app``: their HTTP routes (FastAPI on uvicorn), the key check and the body limit.
 - ``worker``: DeepSpeed engines in unmanaged mode, one per training model, on every rank.
 - ``losses``: ``cross_entropy``, ``importance_sampling``, ``ppo``, ``cispo``, each a SUM over tokens.
 - ``sampler``: weight snapshots and generation on plain copies of the model, on every rank.

@@ -8,11 +8,15 @@ from __future__ import annotations
 
 import argparse
 import os
+import secrets
 import subprocess
 import sys
 from pathlib import Path
 
+from .http_app import DEFAULT_MAX_BODY_BYTES
+from .keys import KEYS_ENV, check_host, load_api_keys
 from .launch import ServerProcess, serve
+from .scheduler import DEFAULT_FUTURE_TTL_S, DEFAULT_MAX_FUTURES
 from .model import parse_base_model
 
 #: Relative to the working directory the server starts in.
@@ -51,6 +55,20 @@ def _server_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--keep-checkpoints", type=_positive_int, default=None, metavar="K",
                         help="keep only each training run's K newest training and K newest sampler checkpoints, "
                         "deleting older ones after each save (default: keep all)")
+    parser.add_argument("--max-body-bytes", type=_positive_int, default=DEFAULT_MAX_BODY_BYTES, metavar="N",
+                        help="request bodies over N bytes get 413 without being read (default: %(default)s)")
+    parser.add_argument("--no-access-log", action="store_true", help="no log line per HTTP request")
+    parser.add_argument("--max-futures", type=_positive_int, default=DEFAULT_MAX_FUTURES, metavar="N",
+                        help="requests held at most, pending or finished and not yet expired; past it new work gets "
+                        "429 (never is a pending request dropped) (default: %(default)s)")
+    parser.add_argument("--future-ttl-s", type=float, default=DEFAULT_FUTURE_TTL_S, metavar="S",
+                        help="how long a finished request's result is kept for retrieve_future (default: %(default)s)")
+    parser.add_argument("--threads-per-rank", type=_positive_int, default=None, metavar="N",
+                        help="torch intra-op threads per rank (default: $OMP_NUM_THREADS if set, else the cores this "
+                        "process may use divided by the ranks on this node)")
+    parser.add_argument("--api-keys-file", type=Path, default=None, metavar="FILE",
+                        help=f"the API keys to accept, one per line (plus ${KEYS_ENV}, comma-separated); any other "
+                        "key gets 401. Without keys: any 'tml-' key, loopback only")
 
 
 def _rank_args(args: argparse.Namespace) -> list[str]:
@@ -70,6 +88,14 @@ def _rank_args(args: argparse.Namespace) -> list[str]:
         out.append("--gradient-checkpointing")
     if args.keep_checkpoints is not None:
         out += ["--keep-checkpoints", str(args.keep_checkpoints)]
+    out += ["--max-body-bytes", str(args.max_body_bytes), "--max-futures", str(args.max_futures), "--future-ttl-s",
+            str(args.future_ttl_s)]
+    if args.threads_per_rank is not None:
+        out += ["--threads-per-rank", str(args.threads_per_rank)]
+    if args.api_keys_file is not None:
+        out += ["--api-keys-file", str(args.api_keys_file.expanduser().resolve())]
+    if args.no_access_log:
+        out.append("--no-access-log")
     return out
 
 
@@ -90,22 +116,36 @@ def _demo_device(args: argparse.Namespace) -> str:
 
 
 def _precision_args(args: argparse.Namespace) -> list[str]:
-    """``--dtype`` and ``--gradient-checkpointing`` for the demos' server."""
-    return ["--dtype", args.dtype, *(["--gradient-checkpointing"] if args.gradient_checkpointing else [])]
+    """``--dtype`` and ``--gradient-checkpointing`` for the demos' server, and its access log (off unless asked:
+    the demos print their clients' progress, not a line per request)."""
+    return ["--dtype", args.dtype, *(["--gradient-checkpointing"] if args.gradient_checkpointing else []),
+            *([] if args.access_log else ["--no-access-log"])]
+
+
+def _demo_key(checkpoints: Path) -> tuple[list[str], dict[str, str]]:
+    """A fresh API key for a demo: the server's ``--api-keys-file`` arguments, and the client's environment
+    (``TINKER_API_KEY``, which the SDK reads)."""
+    key = f"tml-demo-{secrets.token_hex(16)}"
+    checkpoints.mkdir(parents=True, exist_ok=True)
+    keys_file = checkpoints / "api-keys"
+    keys_file.touch(mode=0o600)
+    keys_file.write_text(key + "\n")
+    return ["--api-keys-file", str(keys_file)], {**os.environ, "TINKER_API_KEY": key}
 
 
 def _demo(args: argparse.Namespace) -> int:
     """Start a server on ``--world-size`` CPU ranks, run the SFT client against it, stop the server."""
     checkpoints = args.checkpoint_dir / "demo"
+    key_args, client_env = _demo_key(checkpoints)
     server = ServerProcess(world_size=args.world_size, zero_stage=args.zero_stage, checkpoint_dir=checkpoints,
                            extra_args=["--max-chunk-datums", "8", "--device", _demo_device(args),
-                                       *_precision_args(args)])
+                                       *_precision_args(args), *key_args])
     print(f"[demo] starting the server on {args.world_size} CPU ranks (ZeRO stage {args.zero_stage})", flush=True)
     base_url = server.start()
     try:
         client = [args.client_python, _client("sft_client.py"), "--base-url", base_url,
                   "--rank", str(args.rank), "--steps", str(args.steps)]
-        return subprocess.run(client, timeout=args.timeout_s).returncode
+        return subprocess.run(client, timeout=args.timeout_s, env=client_env).returncode
     finally:
         code = server.stop()
         print(f"[demo] server stopped (exit code {code})", flush=True)
@@ -114,15 +154,16 @@ def _demo(args: argparse.Namespace) -> int:
 def _rl_demo(args: argparse.Namespace) -> int:
     """Start a server on ``--world-size`` CPU ranks, run tinker-cookbook's RL loop against it, stop the server."""
     checkpoints = args.checkpoint_dir / "rl-demo"
+    key_args, client_env = _demo_key(checkpoints)
     server = ServerProcess(world_size=args.world_size, zero_stage=args.zero_stage, checkpoint_dir=checkpoints,
                            extra_args=["--max-chunk-datums", str(args.max_chunk_datums), "--device",
-                                       _demo_device(args), *_precision_args(args)])
+                                       _demo_device(args), *_precision_args(args), *key_args])
     print(f"[rl-demo] starting the server on {args.world_size} CPU ranks (ZeRO stage {args.zero_stage})", flush=True)
     base_url = server.start()
     try:
         client = [args.client_python, _client("rl_client.py"), "--base-url", base_url,
                   "--log-dir", str(checkpoints / "cookbook-log")]
-        return subprocess.run(client, timeout=args.timeout_s).returncode
+        return subprocess.run(client, timeout=args.timeout_s, env=client_env).returncode
     finally:
         code = server.stop()
         print(f"[rl-demo] server stopped (exit code {code})", flush=True)
@@ -135,9 +176,10 @@ def _recipes_demo(args: argparse.Namespace) -> int:
 
     checkpoints = args.checkpoint_dir / "recipes-demo"
     model_dir = build_tiny_model(checkpoints / "qwen3-tiny", "qwen3")
+    key_args, client_env = _demo_key(checkpoints)
     server = ServerProcess(world_size=args.world_size, zero_stage=args.zero_stage, checkpoint_dir=checkpoints,
                            extra_args=["--base-model", f"Qwen/Qwen3-8B={model_dir}", "--device", _demo_device(args),
-                                       *_precision_args(args)])
+                                       *_precision_args(args), *key_args])
     print(f"[recipes-demo] starting the server on {args.world_size} CPU ranks (ZeRO stage {args.zero_stage})",
           flush=True)
     base_url = server.start()
@@ -145,7 +187,7 @@ def _recipes_demo(args: argparse.Namespace) -> int:
         client = [args.client_python, _client("recipes_client.py"), "--base-url", base_url,
                   "--model-dir", str(model_dir), "--log-dir", str(checkpoints / "cookbook-log"), "--steps",
                   str(args.steps)]
-        return subprocess.run(client, timeout=args.timeout_s).returncode
+        return subprocess.run(client, timeout=args.timeout_s, env=client_env).returncode
     finally:
         code = server.stop()
         print(f"[recipes-demo] server stopped (exit code {code})", flush=True)
@@ -171,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     demo_cmd.add_argument("--client-python", default=sys.executable,
                           help="Python that has the tinker SDK (default: this one)")
     demo_cmd.add_argument("--timeout-s", type=float, default=900)
+    demo_cmd.add_argument("--access-log", action="store_true", help="the server's log line per HTTP request")
     _server_options(demo_cmd)
 
     rl_cmd = commands.add_parser("rl-demo", help="server on 2 CPU ranks + tinker-cookbook's RL loop, then stop")
@@ -178,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     rl_cmd.add_argument("--client-python", default=sys.executable,
                         help="Python that has tinker-cookbook (default: this one)")
     rl_cmd.add_argument("--timeout-s", type=float, default=900)
+    rl_cmd.add_argument("--access-log", action="store_true", help="the server's log line per HTTP request")
     _server_options(rl_cmd)
 
     recipes_cmd = commands.add_parser("recipes-demo",
@@ -188,6 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     recipes_cmd.add_argument("--client-python", default=sys.executable,
                              help="Python that has tinker-cookbook (default: this one)")
     recipes_cmd.add_argument("--timeout-s", type=float, default=900)
+    recipes_cmd.add_argument("--access-log", action="store_true", help="the server's log line per HTTP request")
     _server_options(recipes_cmd)
 
     rank_cmd = commands.add_parser("rank", help="one rank of a server: `serve` starts these; so can torchrun "
@@ -200,6 +245,11 @@ def main(argv: list[str] | None = None) -> int:
     # The deepspeed launcher passes --local_rank=N before the command (LOCAL_RANK is in the environment too).
     parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.command in ("serve", "rank"):
+        try:
+            check_host(args.host, load_api_keys(args.api_keys_file))
+        except ValueError as e:
+            parser.error(str(e))
     if args.command == "serve":
         return serve(args.world_size, _rank_args(args), device=args.device)
     if args.command == "demo":
@@ -216,7 +266,10 @@ def main(argv: list[str] | None = None) -> int:
                                 compress_fwdbwd=not args.no_compress, long_poll_s=args.long_poll_s,
                                 base_models=tuple(args.base_model), host=args.host, device=args.device,
                                 dtype=args.dtype, gradient_checkpointing=args.gradient_checkpointing,
-                                keep_checkpoints=args.keep_checkpoints))
+                                keep_checkpoints=args.keep_checkpoints, max_body_bytes=args.max_body_bytes,
+                                access_log=not args.no_access_log, api_keys_file=args.api_keys_file,
+                                max_futures=args.max_futures, future_ttl_s=args.future_ttl_s,
+                                threads_per_rank=args.threads_per_rank))
     exit_rank(code)  # a rank that stopped cleanly skips interpreter teardown
 
 

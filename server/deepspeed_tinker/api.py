@@ -8,31 +8,27 @@ error in the future's result.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import json
 import math
-import os
 import random
 import re
-import shutil
 import threading
 import time
 from dataclasses import dataclass, replace
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, Callable
-from urllib.parse import parse_qsl
 
 import numpy as np
 
 from .checkpoint_files import directory_size, parse_age_recipients
 from .checkpoint_store import CheckpointStore
-from .download_urls import PREFIX as DOWNLOADS  # signed URLs carry their own authorisation: no API key there
 from .model import BASE_MODELS, DEFAULT_LORA_RANK, BaseModelSpec, LoraSpec
 from .responses import Response, error_response, json_response
 from .rest_api import RunsApi, parse_ttl
 from .sampling import SampleResult, SnapshotRef, encode_sample_response, parse_sample, sample_response_json
-from .scheduler import FutureStore, Scheduler
+from .scheduler import FutureStore, FutureStoreFull, Scheduler
 from .stability import StabilityRecords, resolve_provenance
 from .wire import (PROTO_CONTENT_TYPE, PROVENANCE_LOSSES, FwdBwdRequest, FwdBwdResult, UserError, check_against_model,
                    encode_forward_backward_output, forward_backward_output_json, parse_forward_backward, parse_json,
@@ -165,36 +161,22 @@ class TinkerApi:
             "save_weights_external": self._save_weights_external,
             "create_sampling_session": self._create_sampling_session,
             "asample": self._asample,
-            "retrieve_future": self._retrieve_future,
         }
 
     # ----------------------------------------------------------------- dispatch
 
-    def handle(self, method: str, path: str, headers: dict[str, str], body: bytes) -> Response:
-        """Route one request; headers are keyed in lower case."""
-        path, _, query_string = path.partition("?")
-        if method == "GET" and path.startswith(DOWNLOADS):  # signed URLs carry their own authorisation
-            return self.runs.serve_file(path[len(DOWNLOADS):])
-        if not headers.get("x-api-key", "").startswith("tml-"):
-            return error_response(401, "an API key starting with 'tml-' is required (X-API-Key)")
-        if not path.startswith(API):
-            return error_response(404, f"no such endpoint {path}")
-        route = path[len(API):]
-        rest = self.runs.handle(method, route, dict(parse_qsl(query_string)), headers, body)
-        if rest is not None:
-            return rest
-        if method == "GET":
-            return self._get(route)
-        if method != "POST":
-            return error_response(405, f"{method} is not supported")
-        match = re.fullmatch(r"sessions/([^/]+)/finish", route)
-        if match:
-            return self._finish_session(match.group(1))
+    def post_routes(self) -> tuple[str, ...]:
+        """The POST routes ``post`` serves (under ``/api/v1/``)."""
+        return tuple(self._posts)
+
+    def post(self, route: str, headers: dict[str, str], body: bytes) -> Response:
+        """One POST under ``/api/v1/`` (``http_app`` routes here; headers keyed in lower case): a repeated
+        ``X-Idempotency-Key`` gets the first response again, a UserError is a 400 naming the problem."""
         handler = self._posts.get(route)
         if handler is None:
-            return error_response(404, f"no such endpoint {path}")
+            return error_response(404, f"no such endpoint {API}{route}")
         key = headers.get("x-idempotency-key")
-        if key and route != "retrieve_future":
+        if key:
             with self._lock:
                 if key in self._replies:
                     return self._replies[key]
@@ -202,29 +184,27 @@ class TinkerApi:
             response = handler(headers, body)
         except UserError as e:
             response = error_response(400, str(e))
-        if key and route != "retrieve_future" and response.status < 500:
+        except FutureStoreFull as e:  # nothing was queued: the client may retry the same request later
+            response = error_response(429, str(e))
+        if key and response.status < 500 and response.status != 429:
             with self._lock:
                 self._replies[key] = response
                 while len(self._replies) > 10_000:
                     self._replies.popitem(last=False)
         return response
 
-    def _get(self, route: str) -> Response:
-        if route == "healthz":
-            return json_response({"status": "ok"})
-        if route == "get_server_capabilities":
-            return json_response({"supported_models": [
-                {"model_name": name, "max_context_length": spec.max_context_length, "trainable": True,
-                 "sampleable": True} for name, spec in BASE_MODELS.items()]})
-        match = re.fullmatch(r"samplers/([^/]+)", route)
-        if match:
-            with self._lock:
-                sampler = self._samplers.get(match.group(1))
-            if sampler is None:
-                return error_response(404, f"unknown sampler {match.group(1)!r}")
-            return json_response({"sampler_id": sampler.sampling_session_id, "base_model": sampler.base_model,
-                                  "model_path": sampler.model_path})
-        return error_response(404, f"no such endpoint {API}{route}")
+    def capabilities(self) -> Response:
+        return json_response({"supported_models": [
+            {"model_name": name, "max_context_length": spec.max_context_length, "trainable": True,
+             "sampleable": True} for name, spec in BASE_MODELS.items()]})
+
+    def sampler(self, sampler_id: str) -> Response:
+        with self._lock:
+            sampler = self._samplers.get(sampler_id)
+        if sampler is None:
+            return error_response(404, f"unknown sampler {sampler_id!r}")
+        return json_response({"sampler_id": sampler.sampling_session_id, "base_model": sampler.base_model,
+                              "model_path": sampler.model_path})
 
     # ------------------------------------------------------------ session/model
 
@@ -245,7 +225,7 @@ class TinkerApi:
             self._sessions[session_id] = set()
         return json_response({"type": "create_session", "session_id": session_id})
 
-    def _finish_session(self, session_id: str) -> Response:
+    def finish_session(self, session_id: str) -> Response:
         with self._lock:
             model_ids = self._sessions.pop(session_id, set())
             for model_id in model_ids:
@@ -253,7 +233,7 @@ class TinkerApi:
                 self._creates.pop(model_id, None)
         for model_id in model_ids:
             self.scheduler.close_model(model_id)
-            self.scheduler.submit("unload", model_id)
+            self.scheduler.submit("unload", model_id, internal=True)
         return json_response({})
 
     def _new_model(self, body: dict[str, Any], lora: LoraSpec | None, base_model: str) -> ModelRecord:
@@ -272,17 +252,19 @@ class TinkerApi:
     def _open(self, record: ModelRecord, jobs: list[tuple[str, Any]]) -> Response:
         """Make a model addressable and queue the jobs that bring it up; the client waits on the last.
 
-        A retried create (same session and ``model_seq_id``) gets the first future back.
+        A retried create (same session and ``model_seq_id``) gets the first future back. With the future store
+        full it is refused (429) before anything is registered.
         """
         with self._lock:
             request_id = self._creates.get(record.model_id)
             if request_id is None:
+                self.futures.check_room(len(jobs))
                 if not self.scheduler.open_model(record.model_id):
                     raise UserError(f"model {record.model_id} already exists")
                 self._models[record.model_id] = record
                 self._sessions.setdefault(record.session_id, set()).add(record.model_id)
-                for kind, payload in jobs:
-                    request_id = self.scheduler.submit(kind, record.model_id, payload)
+                for kind, payload in jobs:  # room checked: internal, so none is refused half-way
+                    request_id = self.scheduler.submit(kind, record.model_id, payload, internal=True)
                 self._creates[record.model_id] = request_id
         return json_response({"request_id": request_id, "model_id": record.model_id})
 
@@ -658,68 +640,29 @@ class TinkerApi:
 
     # ------------------------------------------------------------------- futures
 
-    def _retrieve_future(self, headers: dict[str, str], body: bytes) -> Response:
-        request_id = str(parse_json(body).get("request_id", ""))
-        future = self.futures.wait(request_id, self.settings.long_poll_s)
+    async def retrieve_future(self, request_id: str, accept: str) -> Response:
+        """A future's result, or ``try_again`` once it has been pending for ``long_poll_s`` (awaited: a long poll
+        holds no thread)."""
+        future = await self.futures.wait_async(request_id, self.settings.long_poll_s)
         if future is None:
             return error_response(404, f"unknown request_id {request_id!r}")
         if future.status == "pending":
             return json_response({"type": "try_again", "request_id": request_id, "queue_state": "active"})
         if future.status == "error":
             return json_response({"error": future.error, "category": future.category})
-        result = future.result
+        if isinstance(future.result, (SampleResult, FwdBwdResult)):  # encoding a large result: off the event loop
+            return await asyncio.to_thread(self.result_response, future.result, accept)
+        return self.result_response(future.result, accept)
+
+    @staticmethod
+    def result_response(result: Any, accept: str) -> Response:
+        """A finished future's result in the encoding the client accepts (protobuf or JSON)."""
         if isinstance(result, SampleResult):
-            if PROTO_CONTENT_TYPE in headers.get("accept", ""):
+            if PROTO_CONTENT_TYPE in accept:
                 return Response(200, encode_sample_response(result), PROTO_CONTENT_TYPE)
             return json_response(sample_response_json(result))
         if isinstance(result, FwdBwdResult):
-            if PROTO_CONTENT_TYPE in headers.get("accept", ""):
+            if PROTO_CONTENT_TYPE in accept:
                 return Response(200, encode_forward_backward_output(result), PROTO_CONTENT_TYPE)
             return json_response(forward_backward_output_json(result))
         return json_response(result)
-
-
-class _Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"  # keep-alive: the SDK pools connections
-    api: TinkerApi
-
-    def _serve(self) -> None:
-        length = int(self.headers.get("Content-Length") or 0)
-        body = self.rfile.read(length) if length else b""
-        headers = {k.lower(): v for k, v in self.headers.items()}
-        try:
-            response = self.api.handle(self.command, self.path, headers, body)
-        except Exception as e:  # a bug, not bad input: report it and keep serving
-            response = error_response(500, f"{type(e).__name__}: {e}")
-        stream = None
-        if response.file is not None:
-            try:
-                stream = response.file.open("rb")
-            except OSError:  # deleted since the handler looked
-                response = error_response(404, "the file is gone")
-        self.send_response(response.status)
-        self.send_header("Content-Type", response.content_type)
-        size = os.fstat(stream.fileno()).st_size if stream is not None else len(response.body)
-        self.send_header("Content-Length", str(size))
-        if response.status >= 400:
-            self.send_header("x-should-retry", "false")
-        self.end_headers()
-        if stream is None:
-            self.wfile.write(response.body)
-            return
-        with stream:
-            shutil.copyfileobj(stream, self.wfile, 1 << 20)
-
-    do_GET = do_POST = do_PUT = do_DELETE = _serve
-
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - quiet by default
-        pass
-
-
-def start_http(api: TinkerApi, port: int, host: str = "127.0.0.1") -> ThreadingHTTPServer:
-    """Serve ``api`` on ``host`` (loopback by default: there is no authentication) from a background thread."""
-    handler = type("TinkerHandler", (_Handler, ), {"api": api})
-    server = ThreadingHTTPServer((host, port), handler)
-    server.daemon_threads = True
-    threading.Thread(target=server.serve_forever, name="tinker-http", daemon=True).start()
-    return server

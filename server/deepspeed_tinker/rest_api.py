@@ -4,18 +4,17 @@ Routes and shapes are those the tinker 0.38.0 SDK calls (``RestClient``, ``tinke
 ``tinker run``, tinker-cookbook's ``weights.download``): ``GET training_runs[/{id}[/checkpoints]]``,
 ``GET checkpoints``, ``DELETE training_runs/{id}/checkpoints/{segment}/{name}``, ``PUT .../ttl``,
 ``GET .../external_weights_urls`` (signed URLs, one per file), ``POST weights_info``; the signed
-URLs themselves are served under ``/files/`` without an API key.
+URLs themselves are served under ``/files/`` without an API key. The routing is ``http_app``'s (FastAPI).
 """
 
 from __future__ import annotations
 
+import functools
 import json
-import re
 import time
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
-from urllib.parse import unquote
+from typing import Any, Callable
 
 from .checkpoint_store import TYPES, CheckpointStore
 from .download_urls import URL_LIFETIME_S, UrlSigner
@@ -25,7 +24,8 @@ from .wire import UserError
 #: The longest TTL Tinker accepts (10 years). The shortest is not enforced: an hour is Tinker's
 #: minimum, but a local server has no reason to keep an unwanted export that long.
 MAX_TTL_S = 10 * 365 * 24 * 3600
-_CHECKPOINT = r"training_runs/([^/]+)/checkpoints/(weights|sampler_weights|external_weights)/([^/]+)"
+#: The checkpoint types of the ``training_runs/{run}/checkpoints/{type}/{name}`` routes.
+CHECKPOINT_KINDS = ("weights", "sampler_weights", "external_weights")
 
 
 def parse_ttl(value: Any) -> int | None:
@@ -48,65 +48,81 @@ def _page(query: dict[str, str], default_limit: int) -> tuple[int, int]:
     return limit, offset
 
 
+def _user_errors(method: Callable[..., Response]) -> Callable[..., Response]:
+    """A route's UserError as a 400 naming the problem."""
+
+    @functools.wraps(method)
+    def wrapper(*args: Any, **kwargs: Any) -> Response:
+        try:
+            return method(*args, **kwargs)
+        except UserError as e:
+            return error_response(400, str(e))
+
+    return wrapper
+
+
+def _checkpoint_id(kind: str, name: str) -> str:
+    if kind not in CHECKPOINT_KINDS:
+        raise UserError(f"unknown checkpoint type {kind!r}; expected one of {list(CHECKPOINT_KINDS)}")
+    return f"{kind}/{name}"
+
+
 class RunsApi:
-    """Answers from the checkpoint store; never touches the ranks."""
+    """Answers from the checkpoint store; never touches the ranks. One method per route (``http_app`` routes)."""
 
     def __init__(self, store: CheckpointStore, signer: UrlSigner | None = None) -> None:
         self.store = store
         self.signer = signer or UrlSigner()
 
-    def handle(self, method: str, route: str, query: dict[str, str], headers: dict[str, str],
-               body: bytes) -> Response | None:
-        """The response for a route under ``/api/v1/`` this class serves, else None."""
-        route = "/".join(unquote(part) for part in route.split("/"))
-        try:
-            return self._route(method, route, query, headers, body)
-        except UserError as e:
-            return error_response(400, str(e))
+    @_user_errors
+    def list_runs(self, query: dict[str, str]) -> Response:
+        limit, offset = _page(query, 20)
+        runs, total = self.store.list_runs(limit, offset)
+        return json_response({"training_runs": runs, "cursor": {"offset": offset, "limit": limit,
+                                                                "total_count": total}})
 
-    def _route(self, method: str, route: str, query: dict[str, str], headers: dict[str, str],
-               body: bytes) -> Response | None:
-        if method == "GET" and route == "training_runs":
-            limit, offset = _page(query, 20)
-            runs, total = self.store.list_runs(limit, offset)
-            return json_response({"training_runs": runs,
-                                  "cursor": {"offset": offset, "limit": limit, "total_count": total}})
-        if method == "GET" and route == "checkpoints":
-            limit, offset = _page(query, 100)
-            rows = self.store.checkpoints(limit=limit, offset=offset)
-            return json_response({"checkpoints": [row.to_json() for row in rows],
-                                  "cursor": {"offset": offset, "limit": limit,
-                                             "total_count": self.store.count_checkpoints()}})
-        if method == "POST" and route == "weights_info":
-            return self._weights_info(body)
-        match = re.fullmatch(r"training_runs/([^/]+)(/checkpoints)?", route)
-        if match and method == "GET":
-            run = self.store.run_json(match.group(1))
-            if run is None:
-                return error_response(404, f"unknown training run {match.group(1)!r}")
-            if not match.group(2):
-                return json_response(run)
-            return json_response({"checkpoints": [row.to_json() for row in self.store.checkpoints(match.group(1))],
-                                  "cursor": None})
-        match = re.fullmatch(_CHECKPOINT + r"(/ttl|/external_weights_urls)?", route)
-        if match is None:
-            return None
-        run_id, checkpoint_id, action = match.group(1), f"{match.group(2)}/{match.group(3)}", match.group(4)
-        if method == "DELETE" and not action:
-            if not self.store.delete(run_id, checkpoint_id):
-                return error_response(404, f"no checkpoint tinker://{run_id}/{checkpoint_id}")
-            return json_response({})
-        if method == "PUT" and action == "/ttl":
-            try:
-                ttl = parse_ttl(json.loads(body or b"{}").get("ttl_seconds"))
-            except (ValueError, AttributeError):
-                raise UserError("the body must be a JSON object with ttl_seconds") from None
-            if not self.store.set_ttl(run_id, checkpoint_id, ttl):
-                return error_response(404, f"no checkpoint tinker://{run_id}/{checkpoint_id}")
-            return json_response({})
-        if method == "GET" and action == "/external_weights_urls":
-            return self._urls(run_id, checkpoint_id, headers)
-        return error_response(405, f"{method} is not supported on {route}")
+    @_user_errors
+    def list_checkpoints(self, query: dict[str, str]) -> Response:
+        limit, offset = _page(query, 100)
+        rows = self.store.checkpoints(limit=limit, offset=offset)
+        return json_response({"checkpoints": [row.to_json() for row in rows],
+                              "cursor": {"offset": offset, "limit": limit,
+                                         "total_count": self.store.count_checkpoints()}})
+
+    def run(self, run_id: str, checkpoints: bool = False) -> Response:
+        run = self.store.run_json(run_id)
+        if run is None:
+            return error_response(404, f"unknown training run {run_id!r}")
+        if not checkpoints:
+            return json_response(run)
+        return json_response({"checkpoints": [row.to_json() for row in self.store.checkpoints(run_id)],
+                              "cursor": None})
+
+    @_user_errors
+    def delete(self, run_id: str, kind: str, name: str) -> Response:
+        checkpoint_id = _checkpoint_id(kind, name)
+        if not self.store.delete(run_id, checkpoint_id):
+            return error_response(404, f"no checkpoint tinker://{run_id}/{checkpoint_id}")
+        return json_response({})
+
+    @_user_errors
+    def set_ttl(self, run_id: str, kind: str, name: str, body: bytes) -> Response:
+        checkpoint_id = _checkpoint_id(kind, name)
+        try:
+            ttl = parse_ttl(json.loads(body or b"{}").get("ttl_seconds"))
+        except (ValueError, AttributeError):
+            raise UserError("the body must be a JSON object with ttl_seconds") from None
+        if not self.store.set_ttl(run_id, checkpoint_id, ttl):
+            return error_response(404, f"no checkpoint tinker://{run_id}/{checkpoint_id}")
+        return json_response({})
+
+    @_user_errors
+    def urls(self, run_id: str, kind: str, name: str, host: str) -> Response:
+        return self._urls(run_id, _checkpoint_id(kind, name), {"host": host})
+
+    @_user_errors
+    def weights_info(self, body: bytes) -> Response:
+        return self._weights_info(body)
 
     def _urls(self, run_id: str, checkpoint_id: str, headers: dict[str, str]) -> Response:
         row = self.store.checkpoint(run_id, checkpoint_id)

@@ -98,7 +98,8 @@ def _number(params: dict[str, Any], name: str, default: float) -> float:
 
 
 def _stops(stop: Any, default_tokens: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[str, ...]]:
-    """``None`` keeps the model's EOS; ``[]`` disables stopping; otherwise strings or token ids."""
+    """``None`` keeps the model's EOS; ``[]`` disables stopping; strings stop on any of them or on the EOS (a chat
+    renderer that stops on a string still ends at EOS); token ids stop on exactly those tokens."""
     if stop is None:
         return default_tokens, ()
     if isinstance(stop, str):
@@ -109,7 +110,7 @@ def _stops(stop: Any, default_tokens: tuple[int, ...]) -> tuple[tuple[int, ...],
     if all(isinstance(s, str) for s in stop):
         if any(s == "" for s in stop):
             raise UserError("sampling_params.stop: empty stop string")
-        return (), tuple(stop)
+        return (default_tokens if stop else ()), tuple(stop)
     if all(isinstance(s, int) and not isinstance(s, bool) for s in stop):
         return tuple(stop), ()
     raise UserError("sampling_params.stop must not mix strings and token ids")

@@ -9,12 +9,13 @@ it already has. No torch or DeepSpeed here: this is plain threading, testable on
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import itertools
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 
 @dataclass
@@ -28,22 +29,74 @@ class Future:
     category: str = ""  # user | server
 
 
+class FutureStoreFull(Exception):
+    """No room for another future: the request is refused (HTTP 429), nothing is dropped."""
+
+
+#: Defaults of ``--max-futures`` and ``--future-ttl-s``.
+DEFAULT_MAX_FUTURES = 100_000
+DEFAULT_FUTURE_TTL_S = 3600.0
+
+
 class FutureStore:
-    """Thread-safe futures with long-poll waiting."""
+    """Thread-safe futures with long-poll waiting, from threads (``wait``) or an event loop (``wait_async``: an
+    HTTP long poll holds no thread while it waits).
 
-    def __init__(self, max_kept: int = 100_000) -> None:
+    Bounded without losing work: a pending future is never dropped; a finished one is kept ``finished_ttl_s``
+    after it finished (then ``retrieve_future`` answers 404). When ``max_futures`` futures are held, ``create``
+    raises FutureStoreFull, which the API answers with 429, until finished ones expire.
+    """
+
+    def __init__(self, max_futures: int = DEFAULT_MAX_FUTURES, finished_ttl_s: float = DEFAULT_FUTURE_TTL_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._futures: collections.OrderedDict[str, Future] = collections.OrderedDict()
+        #: request_id -> when it finished, oldest first.
+        self._finished: collections.OrderedDict[str, float] = collections.OrderedDict()
+        self.max_futures = max_futures
+        self.finished_ttl_s = finished_ttl_s
+        self._clock = clock
         self._cond = threading.Condition()
+        #: request_id -> the events of the coroutines waiting on it, each with its loop.
+        self._async_waiters: dict[str, list[tuple[asyncio.AbstractEventLoop, asyncio.Event]]] = {}
         self._ids = itertools.count(1)
-        self._max_kept = max_kept
 
-    def create(self) -> Future:
+    def create(self, internal: bool = False) -> Future:
+        """A new pending future; FutureStoreFull if the store is full (``internal``: the server's own bookkeeping
+        jobs, e.g. unloading a closed session's models, which must not be refused, go in regardless)."""
         with self._cond:
+            self._expire()
+            if not internal and len(self._futures) >= self.max_futures:
+                pending = len(self._futures) - len(self._finished)
+                raise FutureStoreFull(
+                    f"the server is full: it holds {pending} unfinished requests and {len(self._finished)} results "
+                    f"kept for {self.finished_ttl_s:g} s after they finish, its limit of {self.max_futures} "
+                    "(--max-futures); retry once requests finish")
             future = Future(f"req-{next(self._ids)}")
             self._futures[future.request_id] = future
-            while len(self._futures) > self._max_kept:  # forget the oldest, finished or not
-                self._futures.popitem(last=False)
             return future
+
+    def check_room(self, count: int) -> None:
+        """FutureStoreFull unless ``count`` more futures fit now."""
+        with self._cond:
+            self._expire()
+            if len(self._futures) + count > self.max_futures:
+                raise FutureStoreFull(f"the server is full: it holds {len(self._futures)} requests, its limit of "
+                                      f"{self.max_futures} (--max-futures); retry once requests finish")
+
+    def _expire(self) -> None:
+        """Forget the results that finished more than ``finished_ttl_s`` ago (never a pending future)."""
+        deadline = self._clock() - self.finished_ttl_s
+        while self._finished:
+            request_id, finished_at = next(iter(self._finished.items()))
+            if finished_at > deadline:
+                break
+            del self._finished[request_id]
+            self._futures.pop(request_id, None)
+
+    def counts(self) -> tuple[int, int]:
+        """(pending, finished and kept) futures."""
+        with self._cond:
+            return len(self._futures) - len(self._finished), len(self._finished)
 
     def resolve(self, request_id: str, result: Any) -> None:
         self._finish(request_id, status="ok", result=result)
@@ -58,7 +111,10 @@ class FutureStore:
                 return
             for name, value in fields.items():
                 setattr(future, name, value)
+            self._finished[request_id] = self._clock()
             self._cond.notify_all()
+            for loop, event in self._async_waiters.pop(request_id, ()):
+                loop.call_soon_threadsafe(event.set)
 
     def wait(self, request_id: str, timeout: float) -> Future | None:
         """The future once finished, or still pending after ``timeout``; None if unknown."""
@@ -70,6 +126,29 @@ class FutureStore:
                 if future is None or future.status != "pending" or remaining <= 0:
                     return future
                 self._cond.wait(remaining)
+
+    async def wait_async(self, request_id: str, timeout: float) -> Future | None:
+        """``wait`` for a coroutine: the event loop goes on serving other requests meanwhile."""
+        loop = asyncio.get_running_loop()
+        event = asyncio.Event()
+        with self._cond:
+            future = self._futures.get(request_id)
+            if future is None or future.status != "pending" or timeout <= 0:
+                return future
+            self._async_waiters.setdefault(request_id, []).append((loop, event))
+        try:
+            await asyncio.wait_for(event.wait(), timeout)
+        except asyncio.TimeoutError:
+            pass
+        finally:
+            with self._cond:
+                waiters = self._async_waiters.get(request_id, [])
+                if (loop, event) in waiters:
+                    waiters.remove((loop, event))
+                    if not waiters:
+                        del self._async_waiters[request_id]
+        with self._cond:
+            return self._futures.get(request_id)
 
 
 @dataclass
@@ -115,9 +194,10 @@ class Scheduler:
         with self._lock:
             return model_id in self._models
 
-    def submit(self, kind: str, model_id: str, payload: Any = None) -> str:
-        """Queue a job that is not part of a model's sequence (model creation, unloading)."""
-        future = self.futures.create()
+    def submit(self, kind: str, model_id: str, payload: Any = None, internal: bool = False) -> str:
+        """Queue a job that is not part of a model's sequence (model creation, unloading); FutureStoreFull (nothing
+        queued) when the future store is full, unless ``internal``."""
+        future = self.futures.create(internal)
         with self._lock:
             self._ready.append(Job(future.request_id, kind, model_id, payload))
             self._lock.notify_all()

@@ -27,10 +27,13 @@ import torch
 import torch.distributed as dist
 
 from ds_harness.ranks import disable_cpu_shm_allreduce
-from .api import ApiSettings, TinkerApi, start_http
+from .api import ApiSettings, TinkerApi
 from .byte_tokenizer import write_byte_tokenizer
+from .http_app import DEFAULT_MAX_BODY_BYTES, HttpServer, HttpSettings, build_app
+from .keys import check_host, load_api_keys, startup_line
 from .model import register_local_model
-from .scheduler import FutureStore, Job, Scheduler
+from .scheduler import DEFAULT_FUTURE_TTL_S, DEFAULT_MAX_FUTURES, FutureStore, Job, Scheduler
+from .threads import intra_op_threads
 from .wire import UserError
 from .worker import Worker, merge
 
@@ -59,6 +62,18 @@ class RankOptions:
     gradient_checkpointing: bool = False
     #: Keep only each training run's K newest training and K newest sampler checkpoints (``--keep-checkpoints``).
     keep_checkpoints: int | None = None
+    #: Request bodies over this many bytes get 413 (``--max-body-bytes``).
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    #: One log line per HTTP request (``--no-access-log`` turns it off).
+    access_log: bool = True
+    #: The API keys to accept, one per line (``--api-keys-file``; ``$DEEPSPEED_TINKER_API_KEYS`` adds more).
+    api_keys_file: Path | None = None
+    #: Futures held at most (pending + finished and kept); past it new work gets 429 (``--max-futures``).
+    max_futures: int = DEFAULT_MAX_FUTURES
+    #: How long a finished result is kept for ``retrieve_future`` (``--future-ttl-s``).
+    future_ttl_s: float = DEFAULT_FUTURE_TTL_S
+    #: torch intra-op threads per rank (``--threads-per-rank``); None: the rank's share of the cores (``threads``).
+    threads_per_rank: int | None = None
 
 
 def versions_line() -> str:
@@ -123,21 +138,25 @@ def _execute_samples(worker: Worker, jobs: list[Job], futures: FutureStore) -> l
 
 def _drive(worker: Worker, options: RankOptions) -> None:
     """Rank 0: serve HTTP, execute jobs in order until SIGTERM/SIGINT, then stop the followers."""
-    futures = FutureStore()
+    futures = FutureStore(options.max_futures, options.future_ttl_s)
     scheduler = Scheduler(futures)
     tokenizer_dir = write_byte_tokenizer(options.checkpoint_root / "tokenizers" / "byte-level")
     api = TinkerApi(scheduler, ApiSettings(options.checkpoint_root, options.max_chunk_datums, options.compress_fwdbwd,
                                            options.long_poll_s, tokenizer_dir.resolve(),
                                            keep_checkpoints=options.keep_checkpoints))
-    http = start_http(api, options.port, options.host)
+    keys = load_api_keys(options.api_keys_file)
+    check_host(options.host, keys)
+    http_settings = HttpSettings(max_body_bytes=options.max_body_bytes, access_log=options.access_log, api_keys=keys)
+    http = HttpServer(build_app(api, http_settings), options.host, options.port, http_settings).start()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: scheduler.stop())
     host = "127.0.0.1" if options.host in ("", "0.0.0.0") else options.host
-    base_url = f"http://{host}:{http.server_address[1]}"
+    base_url = f"http://{host}:{http.port}"
     print(f"[tinker-server] {versions_line()}", flush=True)
     print(f"[tinker-server] {worker.world_size} ranks on {worker.device.type}, ZeRO stage {worker.zero_stage}, "
           f"{worker.dtype}{', gradient checkpointing' if worker.gradient_checkpointing else ''}, "
           f"serving {base_url} (pid {os.getpid()})", flush=True)
+    print(f"[tinker-server] {startup_line(options.host, keys)}", flush=True)
     if options.ready_file is not None:
         tmp = options.ready_file.with_suffix(".tmp")
         tmp.write_text(json.dumps({"base_url": base_url, "pid": os.getpid()}))
@@ -207,6 +226,9 @@ def run_rank(options: RankOptions) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     warnings.filterwarnings("ignore", category=FutureWarning)  # libraries' deprecation notices, not ours
     backend, device = backend_and_device(options.device)
+    threads, why = intra_op_threads(options.threads_per_rank)
+    torch.set_num_threads(threads)
+    print(f"[tinker-server] rank {os.environ.get('RANK', '0')}: {threads} intra-op thread(s) ({why})", flush=True)
     for path in options.base_models:
         register_local_model(path)
     # Ranks > 0 wait in a broadcast while the server is idle: give that wait a day, not 30 minutes.

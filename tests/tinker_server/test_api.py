@@ -15,6 +15,7 @@ from tinker import types  # noqa: E402
 from tinker.proto.request_conv import forward_backward_request_to_proto  # noqa: E402
 
 from deepspeed_tinker.api import ApiSettings, TinkerApi  # noqa: E402
+from http_in_process import handle  # noqa: E402
 from deepspeed_tinker.scheduler import FutureStore, Scheduler  # noqa: E402
 from deepspeed_tinker.wire import FwdBwdResult  # noqa: E402
 
@@ -29,7 +30,7 @@ def api(tmp_path: Path) -> TinkerApi:
 
 def post(api: TinkerApi, route: str, body: dict | bytes, **headers: str):
     raw = body if isinstance(body, bytes) else json.dumps(body).encode()
-    response = api.handle("POST", f"/api/v1/{route}", {**KEY, **headers}, raw)
+    response = handle(api, "POST", f"/api/v1/{route}", {**KEY, **headers}, raw)
     return response.status, (json.loads(response.body) if response.content_type == "application/json" else response)
 
 
@@ -61,9 +62,9 @@ def executed(api: TinkerApi) -> list[str]:
 
 
 def test_requires_a_tml_key(api: TinkerApi) -> None:
-    assert api.handle("POST", "/api/v1/create_session", {}, b"{}").status == 401
-    assert api.handle("GET", "/api/v1/healthz", {"x-api-key": "sk-1"}, b"").status == 401
-    assert api.handle("GET", "/api/v1/healthz", KEY, b"").status == 200
+    assert handle(api, "POST", "/api/v1/create_session", {}, b"{}").status == 401
+    assert handle(api, "GET", "/api/v1/healthz", {"x-api-key": "sk-1"}, b"").status == 401
+    assert handle(api, "GET", "/api/v1/healthz", KEY, b"").status == 200
 
 
 def test_client_config_and_optional_endpoints(api: TinkerApi) -> None:

@@ -18,7 +18,7 @@ from tinker_sdk_helpers import require
 require("tinker")
 pytest.importorskip("tinker_cookbook.rl.train", reason="install requirements/tinker-cookbook.txt (--no-deps)")
 
-from tinker_sdk_helpers import load_example  # noqa: E402
+from tinker_sdk_helpers import API_KEY, load_example  # noqa: E402
 
 rl_client = load_example("rl_client")
 
@@ -36,9 +36,11 @@ def test_the_task_rewards_lowercase_letters_and_the_cookbook_gets_the_byte_token
     assert tokenizer.decode(list(b"hi there")) == "hi there"
 
 
-def test_the_cookbook_rl_loop_trains_against_the_server(server, tmp_path: Path, root_logging) -> None:
+def test_the_cookbook_rl_loop_trains_against_the_server(server, tmp_path: Path, root_logging,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     if server.zero_stage != 3:
         pytest.skip("one stage is enough here: the RL demo runs the same loop on ZeRO 1")
+    monkeypatch.setenv("TINKER_API_KEY", API_KEY)  # the key the tests' servers accept (the client reads it there)
     log_dir = tmp_path / "cookbook-log"
     config = rl_client.make_config(server.base_url, log_dir, steps=3)
     asyncio.run(rl_client.train.main(config))

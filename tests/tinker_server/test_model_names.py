@@ -23,6 +23,7 @@ from tinker import types  # noqa: E402
 
 from tinker_sdk_helpers import API_KEY, RESULT_TIMEOUT_S, adam  # noqa: E402
 from deepspeed_tinker.api import ApiSettings, TinkerApi  # noqa: E402
+from http_in_process import handle  # noqa: E402
 from deepspeed_tinker.model import BASE_MODELS, build_model, parse_base_model, register_local_model  # noqa: E402
 from deepspeed_tinker.scheduler import FutureStore, Scheduler  # noqa: E402
 
@@ -66,10 +67,10 @@ def test_a_named_model_is_served_under_its_name(local_hf_model: Path, served_mod
     api = TinkerApi(Scheduler(FutureStore()), ApiSettings(tmp_path, long_poll_s=0.05))
 
     def post(route: str, body: dict) -> dict:
-        response = api.handle("POST", f"/api/v1/{route}", KEY, json.dumps(body).encode())
+        response = handle(api, "POST", f"/api/v1/{route}", KEY, json.dumps(body).encode())
         return json.loads(response.body)
 
-    capabilities = json.loads(api.handle("GET", "/api/v1/get_server_capabilities", KEY, b"").body)
+    capabilities = json.loads(handle(api, "GET", "/api/v1/get_server_capabilities", KEY, b"").body)
     names = [m["model_name"] for m in capabilities["supported_models"]]
     assert NAMED_MODEL in names and "tiny-llama-byte" in names
     session = post("create_session", {})["session_id"]

@@ -261,3 +261,33 @@ def test_concurrent_sdk_requests_equal_sequential_ones(server) -> None:
         assert any(reason == "stop" for out in alone for _, _, reason in out)
     finally:
         service.close("success").result(timeout=30)
+
+
+def test_eos_stops_a_sample_that_has_stop_strings_too() -> None:
+    """Stop strings do not turn off the model's EOS (tinker-cookbook's ``role_colon`` renderer stops on a string):
+    a request parsed with stop strings that never occur ends at the first EOS token, reason ``stop``, the same tokens
+    as an unstopped run up to there. A random model's EOS is rarely drawn, so one of its drawn tokens plays EOS."""
+    from dataclasses import replace
+
+    from deepspeed_tinker.model import BASE_MODELS
+    from deepspeed_tinker.sampling import parse_sample
+
+    spec = BASE_MODELS["tiny-llama-byte"]
+    model = peaked(build_model("tiny-llama-byte", LoraSpec(rank=2, seed=0)))
+    decode = _decoder("tiny-llama-byte")
+    prompt = [5, 6, 7]
+    request = {"prompt": {"chunks": [{"type": "encoded_text", "tokens": prompt}]}, "num_samples": 1,
+               "sampling_params": {"max_tokens": 24, "seed": 3, "stop": ["\u00e9t\u00e9-never"]}}
+
+    def parsed(eos: tuple[int, ...]) -> SampleJob:
+        return parse_sample(request, SnapshotRef("x", "tiny-llama-byte"), spec.vocab_size, spec.max_context_length,
+                            eos, 0)
+
+    free_job = replace(parsed(()), stop_tokens=(), stop_strings=())
+    ((free, _), ) = generate(model, torch.tensor(prompt), free_job, list(free_job.seeds), decode)
+    eos = free[len(free) // 2]
+    first = free.index(eos)
+    stopping = parsed((eos, ))
+    assert stopping.stop_strings == ("\u00e9t\u00e9-never", ) and stopping.stop_tokens == (eos, )
+    ((tokens, reason), ) = generate(model, torch.tensor(prompt), stopping, list(stopping.seeds), decode)
+    assert (tokens, reason) == (free[:first + 1], "stop")

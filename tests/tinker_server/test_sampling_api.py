@@ -15,6 +15,7 @@ require("tinker")
 from tinker.proto.response_conv import deserialize_sample_response  # noqa: E402
 
 from deepspeed_tinker.api import ApiSettings, TinkerApi  # noqa: E402
+from http_in_process import handle  # noqa: E402
 from deepspeed_tinker.sampling import (SampledSequence, SampleResult, SnapshotRef,  # noqa: E402
                                              encode_sample_response, parse_sample)
 from deepspeed_tinker.scheduler import FutureStore, Scheduler  # noqa: E402
@@ -41,7 +42,8 @@ def test_sampling_params_get_tinker_defaults() -> None:
     assert (job.temperature, job.top_k, job.top_p) == (1.0, -1, 1.0)
     assert job.stop_tokens == (7, ) and job.stop_strings == (), "stop=None keeps the model's EOS"
     assert parse(body([1], stop=[]), eos=(7, )).stop_tokens == (), "stop=[] disables even EOS"
-    assert parse(body([1], stop="\n\n")).stop_strings == ("\n\n", )
+    strings = parse(body([1], stop="\n\n"), eos=(7, ))
+    assert strings.stop_strings == ("\n\n", ) and strings.stop_tokens == (7, ), "stop strings keep the EOS too"
     assert parse(body([1], stop=[3, 4])).stop_tokens == (3, 4)
     seeded = [parse(body([1], seed=5), seed=s).seeds for s in (1, 2)]
     assert seeded[0] == seeded[1] and len(set(seeded[0])) == 2, "one seed per sample, fixed by the request's seed"
@@ -84,7 +86,7 @@ def test_the_response_protobuf_decodes_in_the_sdk() -> None:
 
 
 def post(api: TinkerApi, route: str, payload: dict):
-    response = api.handle("POST", f"/api/v1/{route}", dict(KEY), json.dumps(payload).encode())
+    response = handle(api, "POST", f"/api/v1/{route}", dict(KEY), json.dumps(payload).encode())
     return response.status, json.loads(response.body)
 
 
@@ -94,7 +96,7 @@ def test_sampling_sessions_and_retried_samples(tmp_path: Path) -> None:
     created = post(api, "create_sampling_session", {"session_id": session, "sampling_session_seq_id": 0,
                                                     "base_model": "tiny-llama-byte"})[1]
     sampler_id = created["sampling_session_id"]
-    got = api.handle("GET", f"/api/v1/samplers/{sampler_id}", dict(KEY), b"")
+    got = handle(api, "GET", f"/api/v1/samplers/{sampler_id}", dict(KEY), b"")
     assert json.loads(got.body) == {"sampler_id": sampler_id, "base_model": "tiny-llama-byte", "model_path": None}
 
     request = {**body([1, 2], max_tokens=3), "sampling_session_id": sampler_id, "seq_id": 1}
@@ -111,5 +113,5 @@ def test_sampling_sessions_and_retried_samples(tmp_path: Path) -> None:
                                    "seq_id": 1})[1]
     reply = post(api, "retrieve_future", {"request_id": failed["request_id"]})[1]
     assert reply["category"] == "user" and "unknown sampler path" in reply["error"]
-    capabilities = json.loads(api.handle("GET", "/api/v1/get_server_capabilities", dict(KEY), b"").body)
+    capabilities = json.loads(handle(api, "GET", "/api/v1/get_server_capabilities", dict(KEY), b"").body)
     assert all(m["sampleable"] for m in capabilities["supported_models"])

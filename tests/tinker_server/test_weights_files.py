@@ -17,6 +17,7 @@ peft = require("peft")
 from tinker import types  # noqa: E402
 
 from deepspeed_tinker.api import ApiSettings, TinkerApi  # noqa: E402
+from http_in_process import handle  # noqa: E402
 from deepspeed_tinker.checkpoint_files import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, MODEL_WEIGHTS,  # noqa: E402
                                                      read_weights, write_weights)
 from deepspeed_tinker.checkpoint_store import CheckpointStore  # noqa: E402
@@ -166,8 +167,8 @@ def test_signed_urls_cannot_be_forged_or_reused_after_expiry() -> None:
 
 
 def request(api: TinkerApi, method: str, route: str, body: dict | None = None, headers: dict | None = None):
-    response = api.handle(method, route if route.startswith("/") else f"/api/v1/{route}", headers or KEY,
-                          json.dumps(body).encode() if body is not None else b"")
+    response = handle(api, method, route if route.startswith("/") else f"/api/v1/{route}", headers or KEY,
+                      json.dumps(body).encode() if body is not None else b"")
     return response.status, response
 
 
@@ -213,7 +214,7 @@ def test_the_rest_routes_answer_in_the_sdks_shapes(tmp_path: Path) -> None:
     file_url = urls.urls[ADAPTER_WEIGHTS]
     assert file_url.startswith("http://127.0.0.1:9/files/")
     status, response = request(api, "GET", file_url[len("http://127.0.0.1:9"):], headers={})  # no API key needed
-    assert status == 200 and response.file.read_bytes() == b"w" * 100
+    assert status == 200 and response.body == b"w" * 100
     assert request(api, "GET", file_url[len("http://127.0.0.1:9"):] + "x", headers={})[0] == 403
 
     route = f"training_runs/{run_id}/checkpoints/external_weights/out"

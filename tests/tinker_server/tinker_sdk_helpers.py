@@ -75,15 +75,19 @@ def unmanaged_stage_supported(stage: int) -> bool:
 
 def start_server(tmp_dir: Path, zero_stage: int, checkpoint_dir: Path | None = None, base_models: tuple = (),
                  extra_args: tuple[str, ...] = ()):
-    """A 2-rank server on loopback with short long-polls, serving ``base_models`` (``PATH`` or ``NAME=PATH``), with
-    ``extra_args`` added to its command line; the caller stops it (by PID)."""
+    """A 2-rank server on loopback with short long-polls, accepting the API key ``API_KEY`` only (from a keys file),
+    serving ``base_models`` (``PATH`` or ``NAME=PATH``), with ``extra_args`` added to its command line; the caller
+    stops it (by PID)."""
     from deepspeed_tinker.launch import ServerProcess
 
     # Two GPUs or more: the server's default, one rank per GPU (NCCL). Fewer: 2 CPU ranks (gloo).
     from deepspeed_tinker.launch import cuda_device_count
 
     device = "auto" if cuda_device_count() >= 2 else "cpu"
-    extra = ["--max-chunk-datums", "4", "--long-poll-s", "1", "--device", device]
+    tmp_dir.mkdir(parents=True, exist_ok=True)
+    keys_file = tmp_dir / "api-keys"
+    keys_file.write_text(f"# the tests' key\n{API_KEY}\n")
+    extra = ["--max-chunk-datums", "4", "--long-poll-s", "1", "--device", device, "--api-keys-file", str(keys_file)]
     for path in base_models:
         extra += ["--base-model", str(path)]
     extra += list(extra_args)

@@ -1,0 +1,85 @@
+"""The bounded future store: full means 429 for new work, never a dropped pending future; finished results kept
+for their documented time (no ranks)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from deepspeed_tinker.scheduler import FutureStore, FutureStoreFull, Scheduler
+
+pytestmark = pytest.mark.pr("zero-0-1")
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_full_store_refuses_new_work_and_keeps_every_pending_future() -> None:
+    clock = Clock()
+    futures = FutureStore(max_futures=4, finished_ttl_s=60, clock=clock)
+    pending = [futures.create() for _ in range(2)]
+    finished = [futures.create() for _ in range(2)]
+    for future in finished:
+        futures.resolve(future.request_id, {"ok": True})
+    with pytest.raises(FutureStoreFull, match="--max-futures"):
+        futures.create()
+    clock.now += 59
+    with pytest.raises(FutureStoreFull):
+        futures.create()
+    assert all(futures.wait(f.request_id, 0).result == {"ok": True} for f in finished), "kept for their TTL"
+    clock.now += 2  # the finished results expire; the pending futures never do
+    replacement = futures.create()
+    assert futures.wait(finished[0].request_id, 0) is None
+    assert all(futures.wait(f.request_id, 0).status == "pending" for f in pending)
+    futures.create()
+    with pytest.raises(FutureStoreFull):
+        futures.create()
+    clock.now += 10_000
+    with pytest.raises(FutureStoreFull):  # four pending futures: full for as long as they are pending
+        futures.create()
+    futures.resolve(replacement.request_id, 1)
+    assert futures.wait(replacement.request_id, 0).result == 1
+    assert futures.create(internal=True), "the server's own bookkeeping is never refused"
+    assert futures.counts() == (4, 1)
+
+
+def test_a_refused_request_leaves_no_trace_and_can_be_retried(tmp_path: Path) -> None:
+    from tinker_sdk_helpers import require
+
+    require("fastapi")
+    from deepspeed_tinker.api import ApiSettings, TinkerApi
+    from http_in_process import handle
+
+    clock = Clock()
+    futures = FutureStore(max_futures=3, finished_ttl_s=60, clock=clock)
+    api = TinkerApi(Scheduler(futures), ApiSettings(tmp_path, long_poll_s=0.05))
+    key = {"x-api-key": "tml-test"}
+
+    def post(route: str, body: dict, **headers: str):
+        reply = handle(api, "POST", f"/api/v1/{route}", {**key, **headers}, json.dumps(body).encode())
+        return reply.status, json.loads(reply.body)
+
+    session = post("create_session", {})[1]["session_id"]
+    model_id = post("create_model", {"session_id": session, "model_seq_id": 0, "base_model": "tiny-llama-byte",
+                                     "lora_config": {"rank": 4}})[1]["model_id"]
+    adam = {"adam_params": {"learning_rate": 1e-3}}
+    held = post("optim_step", {"model_id": model_id, "seq_id": 2, **adam})[1]["request_id"]
+    post("optim_step", {"model_id": "nope", "seq_id": 1, **adam})  # a failed future: the third
+    status, reply = post("optim_step", {"model_id": model_id, "seq_id": 1, **adam}, **{"x-idempotency-key": "k"})
+    assert status == 429 and "--max-futures" in reply["error"]
+    assert post("create_model", {"session_id": session, "model_seq_id": 1, "base_model": "tiny-llama-byte"})[0] == 429
+    assert not api.scheduler.has_model(f"{session}:train:1"), "a refused create registers nothing"
+    assert futures.wait(held, 0).status == "pending"
+    job = api.scheduler.next_job(timeout=0)  # the create runs
+    futures.resolve(job.request_id, {})
+    clock.now += 61  # and the finished results expire: room again
+    status, reply = post("optim_step", {"model_id": model_id, "seq_id": 1, **adam}, **{"x-idempotency-key": "k"})
+    assert status == 200, "the retry is not answered from the idempotency cache with the 429"
+    assert [api.scheduler.next_job(timeout=0).kind for _ in range(2)] == ["optim_step", "optim_step"]
