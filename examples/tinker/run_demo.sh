@@ -20,7 +20,7 @@ case "${1:-}" in
     sft) DEMO=demo; shift ;;
     recipes) DEMO=recipes-demo; shift ;;
 esac
-if ! "$PY" -c "import tinker, peft, transformers, zstandard, chz, datasets" >/dev/null 2>&1; then
+if ! "$PY" -c "import tinker, peft, transformers, zstandard, chz, datasets, fastapi, uvicorn" >/dev/null 2>&1; then
     echo "[demo] installing requirements/tinker-server.txt into $("$PY" -c 'import sys; print(sys.prefix)')"
     "$PY" -m pip install --quiet -r requirements/tinker-server.txt
 fi
