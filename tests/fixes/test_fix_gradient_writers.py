@@ -14,6 +14,7 @@ fix-zero3-stale-grad-partitions, the others to fix-zero-offload-stale-grads.
 import pytest
 
 from ds_harness.support.paths import Path, make_two_head_model
+from ds_harness.support.reference_run import ZENFLOW
 
 pytestmark = [pytest.mark.pr("fix-zero-offload-stale-grads"), pytest.mark.passes_on_pristine]
 
@@ -52,6 +53,19 @@ PATHS = {
 }
 
 
+def _assert_moved_by_the_set_gradient(path_name: str, params: dict, before: dict) -> None:
+    """Each of ``params`` (head b's) moved by exactly lr * the gradient set (SGD-like at this learning rate)."""
+    import torch
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    for name, p in params.items():
+        after = safe_get_full_fp32_param(p)
+        expected = before[name] - LR * SET_GRAD
+        assert torch.equal(after, expected), (f"{path_name}: head_b.{name} moved by "
+                                              f"{(after - before[name]).abs().max().item():g}, "
+                                              f"not by lr * the gradient set ({LR * SET_GRAD:g})")
+
+
 def _set_gradient_drives_the_update(path_name: str) -> None:
     """Step 0 uses head a only: head b gets no gradient from backward, then its gradient is set before step()."""
     import torch
@@ -65,12 +79,7 @@ def _set_gradient_drives_the_update(path_name: str) -> None:
     for p in unused.values():
         safe_set_full_grad(p, torch.full(p.ds_shape if hasattr(p, "ds_shape") else p.shape, SET_GRAD))
     engine.step()
-    for name, p in unused.items():
-        after = safe_get_full_fp32_param(p)
-        expected = before[name] - LR * SET_GRAD
-        assert torch.equal(after, expected), (f"{path_name}: head_b.{name} moved by "
-                                              f"{(after - before[name]).abs().max().item():g}, "
-                                              f"not by lr * the gradient set ({LR * SET_GRAD:g})")
+    _assert_moved_by_the_set_gradient(path_name, unused, before)
     destroy(engine)
 
 
@@ -150,12 +159,7 @@ def _set_gradient_replaces_a_pending_one(path_name: str, managed: bool) -> None:
     for p in head_b.values():
         safe_set_full_grad(p, torch.full(p.ds_shape if hasattr(p, "ds_shape") else p.shape, SET_GRAD))
     engine.step()
-    for name, p in head_b.items():
-        after = safe_get_full_fp32_param(p)
-        expected = before[name] - LR * SET_GRAD
-        assert torch.equal(after, expected), (f"{path_name}: head_b.{name} moved by "
-                                              f"{(after - before[name]).abs().max().item():g}, "
-                                              f"not by lr * the gradient set ({LR * SET_GRAD:g})")
+    _assert_moved_by_the_set_gradient(path_name, head_b, before)
     destroy(engine)
 
 
@@ -191,23 +195,8 @@ _ZENFLOW_LR0 = {
 
 
 def _zenflow(overlap_step: bool) -> Path:
-    return Path(2, "fp32", {
-        **_ZENFLOW_LR0, "zero_optimization": {
-            "offload_optimizer": {
-                "device": "cpu"
-            },
-            "overlap_comm": True,
-            "zenflow": {
-                "topk_ratio": 0.2,
-                "select_strategy": "step",
-                "select_interval": 2,
-                "update_interval": 2,
-                "overlap_step": overlap_step,
-                "full_warm_up_rounds": 0,
-            },
-        }
-    },
-                model_fn=make_two_head_model)
+    zero = {**ZENFLOW, "zenflow": {**ZENFLOW["zenflow"], "overlap_step": overlap_step}}
+    return Path(2, "fp32", {**_ZENFLOW_LR0, "zero_optimization": zero}, model_fn=make_two_head_model)
 
 
 def _zenflow_host_accumulation(overlap_step: bool) -> dict:

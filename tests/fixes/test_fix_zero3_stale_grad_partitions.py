@@ -37,20 +37,27 @@ PATHS = {
 }
 
 
-def _matches_pytorch(path_name: str, n: int) -> None:
+def _trained_matches_pytorch(path: Path, n: int, label: str, rtol: float, atol: float, compile: bool = False) -> None:
+    """``path`` trained STEPS managed steps of GAS ``n`` on the branchy model equals the PyTorch reference."""
     import deepspeed.comm as ds_comm
     from ds_harness.support import pytorch_reference
     from ds_harness.support.training import assert_params_close, destroy, run_managed, snapshot
 
-    engine = PATHS[path_name].initialize(gas=n, managed=None)
+    engine = path.initialize(gas=n, managed=None)
+    if compile:
+        engine.compile()
     run_managed(engine, [n] * STEPS)
     actual = snapshot(engine).params
     destroy(engine)
     expected = pytorch_reference.run(make_branchy_model, [n] * STEPS, ds_comm.get_world_size(),
                                      CLIP["gradient_clipping"])
+    assert_params_close(actual, expected, f"{label}, GAS={n}", rtol=rtol, atol=atol)
+
+
+def _matches_pytorch(path_name: str, n: int) -> None:
     # fp32 reduction order differs (per-rank partial sums, DeepSpeed's norm): a few ulps after 4 steps;
     # a stale partition is off by ~1e-3
-    assert_params_close(actual, expected, f"{path_name}, GAS={n}", rtol=1e-5, atol=1e-6)
+    _trained_matches_pytorch(PATHS[path_name], n, path_name, rtol=1e-5, atol=1e-6)
 
 
 # GAS=1: the branch is unused in whole steps; GAS=2: used only in the first micro-batch of one step, only in
@@ -115,20 +122,10 @@ DEEPCOMPILE_OFFLOAD = Path(3,
 
 
 def _deepcompile_offload_matches_pytorch(n: int) -> None:
-    import deepspeed.comm as ds_comm
-    from ds_harness.support import pytorch_reference
-    from ds_harness.support.training import assert_params_close, destroy, run_managed, snapshot
-
-    engine = DEEPCOMPILE_OFFLOAD.initialize(gas=n, managed=None)
-    engine.compile()
-    run_managed(engine, [n] * STEPS)
-    actual = snapshot(engine).params
-    destroy(engine)
-    expected = pytorch_reference.run(make_branchy_model, [n] * STEPS, ds_comm.get_world_size(),
-                                     CLIP["gradient_clipping"])
     # Compiled kernels may round differently from eager ones; a gradient that never reaches the optimizer is off
     # by far more
-    assert_params_close(actual, expected, f"DeepCompile ZeRO-3 + CPU offload, GAS={n}", rtol=1e-4, atol=1e-5)
+    _trained_matches_pytorch(DEEPCOMPILE_OFFLOAD, n, "DeepCompile ZeRO-3 + CPU offload", rtol=1e-4, atol=1e-5,
+                             compile=True)
 
 
 @pytest.mark.base("0.19.3", reason="checks the 0.19.3 fix PRs' revision of this; the 0.19.8 ports are checked by their own "

@@ -148,7 +148,7 @@ _EVEN_SIZES = {"model_fn": make_wide_model}
 #: DeepSpeed's own Adam for the GPU-only writers (ZenFlow and SuperOffload bring their CPU optimizers).
 _GPU_ADAM = {"optimizer": {"type": "Adam", "params": {"torch_adam": None}}, "zero_allow_untested_optimizer": True}
 #: ZenFlow with CPU optimizer offload (it always offloads), a synchronous update and no warm-up rounds.
-_ZENFLOW = {
+ZENFLOW = {
     "offload_optimizer": {
         "device": "cpu"
     },
@@ -163,7 +163,7 @@ _ZENFLOW = {
     },
 }
 
-_ZENFLOW3 = Path(3, "fp32", {**_GPU_ADAM, "zero_optimization": _ZENFLOW})
+_ZENFLOW3 = Path(3, "fp32", {**_GPU_ADAM, "zero_optimization": ZENFLOW})
 _SUPEROFFLOAD3 = Path(3, "bf16", {
     **_GPU_ADAM, "zero_optimization": {
         "offload_optimizer": {
