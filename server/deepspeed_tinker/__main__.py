@@ -33,6 +33,15 @@ def _positive_int(value: str) -> int:
     return number
 
 
+def _demo_options(parser: argparse.ArgumentParser, client: str) -> None:
+    """What every demo takes: the client's Python, a time limit, the access log, and the server's options."""
+    parser.add_argument("--client-python", default=sys.executable,
+                        help=f"Python that has {client} (default: this one)")
+    parser.add_argument("--timeout-s", type=float, default=900)
+    parser.add_argument("--access-log", action="store_true", help="the server's log line per HTTP request")
+    _server_options(parser)
+
+
 def _server_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], default=1)
     parser.add_argument("--checkpoint-dir", type=Path, default=DEFAULT_CHECKPOINTS,
@@ -210,30 +219,18 @@ def main(argv: list[str] | None = None) -> int:
     demo_cmd.add_argument("--world-size", type=int, default=2)
     demo_cmd.add_argument("--steps", type=int, default=8)
     demo_cmd.add_argument("--rank", type=int, default=16, help="LoRA rank; 0 for full fine-tuning")
-    demo_cmd.add_argument("--client-python", default=sys.executable,
-                          help="Python that has the tinker SDK (default: this one)")
-    demo_cmd.add_argument("--timeout-s", type=float, default=900)
-    demo_cmd.add_argument("--access-log", action="store_true", help="the server's log line per HTTP request")
-    _server_options(demo_cmd)
+    _demo_options(demo_cmd, "the tinker SDK")
 
     rl_cmd = commands.add_parser("rl-demo", help="server on 2 CPU ranks + tinker-cookbook's RL loop, then stop")
     rl_cmd.add_argument("--world-size", type=int, default=2)
-    rl_cmd.add_argument("--client-python", default=sys.executable,
-                        help="Python that has tinker-cookbook (default: this one)")
-    rl_cmd.add_argument("--timeout-s", type=float, default=900)
-    rl_cmd.add_argument("--access-log", action="store_true", help="the server's log line per HTTP request")
-    _server_options(rl_cmd)
+    _demo_options(rl_cmd, "tinker-cookbook")
 
     recipes_cmd = commands.add_parser("recipes-demo",
                                       help="server on 2 CPU ranks + tinker-cookbook's recipes/sl_basic, unmodified, "
                                       "on a tiny Qwen3 served as Qwen/Qwen3-8B, then stop")
     recipes_cmd.add_argument("--world-size", type=int, default=2)
     recipes_cmd.add_argument("--steps", type=int, default=8)
-    recipes_cmd.add_argument("--client-python", default=sys.executable,
-                             help="Python that has tinker-cookbook (default: this one)")
-    recipes_cmd.add_argument("--timeout-s", type=float, default=900)
-    recipes_cmd.add_argument("--access-log", action="store_true", help="the server's log line per HTTP request")
-    _server_options(recipes_cmd)
+    _demo_options(recipes_cmd, "tinker-cookbook")
 
     rank_cmd = commands.add_parser("rank", help="one rank of a server: `serve` starts these; so can torchrun "
                                    "or the deepspeed launcher (RANK, WORLD_SIZE, MASTER_ADDR/PORT from them)")
