@@ -13,11 +13,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+from .faults import DEFAULT_DRAIN_S, DEFAULT_PEER_TIMEOUT_S
 from .http_app import DEFAULT_MAX_BODY_BYTES
 from .keys import KEYS_ENV, check_host, load_api_keys
 from .launch import ServerProcess, serve
 from .scheduler import DEFAULT_FUTURE_TTL_S, DEFAULT_MAX_FUTURES
 from .model import parse_base_model
+from .sampling import DEFAULT_SNAPSHOT_BYTES, MAX_SNAPSHOTS
 
 #: Relative to the working directory the server starts in.
 DEFAULT_CHECKPOINTS = Path("scratch") / "tinker_checkpoints"
@@ -78,6 +80,18 @@ def _server_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-keys-file", type=Path, default=None, metavar="FILE",
                         help=f"the API keys to accept, one per line (plus ${KEYS_ENV}, comma-separated); any other "
                         "key gets 401. Without keys: any 'tml-' key, loopback only")
+    parser.add_argument("--fault-drain-s", type=float, default=DEFAULT_DRAIN_S, metavar="S",
+                        help="after a rank dies or a collective fails, answer every request with the error for S "
+                        "seconds, then exit with code 3 (default: %(default)s)")
+    parser.add_argument("--peer-timeout-s", type=float, default=DEFAULT_PEER_TIMEOUT_S, metavar="S",
+                        help="a rank that sends rank 0 no heartbeat for S seconds counts as dead (one that exits is "
+                        "seen at once) (default: %(default)s)")
+    parser.add_argument("--sampler-snapshots", type=_positive_int, default=MAX_SNAPSHOTS, metavar="N",
+                        help="unnamed sampler snapshots (save_weights_and_get_sampling_client) each rank keeps in "
+                        "memory, at most (default: %(default)s)")
+    parser.add_argument("--sampler-snapshot-mib", type=_positive_int, default=DEFAULT_SNAPSHOT_BYTES >> 20,
+                        metavar="MIB", help="their memory per rank at most; the newest is always kept "
+                        "(default: %(default)s)")
 
 
 def _rank_args(args: argparse.Namespace) -> list[str]:
@@ -105,6 +119,9 @@ def _rank_args(args: argparse.Namespace) -> list[str]:
         out += ["--api-keys-file", str(args.api_keys_file.expanduser().resolve())]
     if args.no_access_log:
         out.append("--no-access-log")
+    out += ["--fault-drain-s", str(args.fault_drain_s), "--peer-timeout-s", str(args.peer_timeout_s),
+            "--sampler-snapshots", str(args.sampler_snapshots), "--sampler-snapshot-mib",
+            str(args.sampler_snapshot_mib)]
     return out
 
 
@@ -248,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as e:
             parser.error(str(e))
     if args.command == "serve":
-        return serve(args.world_size, _rank_args(args), device=args.device)
+        return serve(args.world_size, _rank_args(args), device=args.device, fault_drain_s=args.fault_drain_s)
     if args.command == "demo":
         return _demo(args)
     if args.command == "rl-demo":
@@ -266,7 +283,9 @@ def main(argv: list[str] | None = None) -> int:
                                 keep_checkpoints=args.keep_checkpoints, max_body_bytes=args.max_body_bytes,
                                 access_log=not args.no_access_log, api_keys_file=args.api_keys_file,
                                 max_futures=args.max_futures, future_ttl_s=args.future_ttl_s,
-                                threads_per_rank=args.threads_per_rank))
+                                threads_per_rank=args.threads_per_rank, fault_drain_s=args.fault_drain_s,
+                                peer_timeout_s=args.peer_timeout_s, sampler_snapshots=args.sampler_snapshots,
+                                sampler_snapshot_bytes=args.sampler_snapshot_mib << 20))
     exit_rank(code)  # a rank that stopped cleanly skips interpreter teardown
 
 

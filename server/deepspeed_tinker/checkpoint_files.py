@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import re
 import shutil
 from pathlib import Path
@@ -122,3 +123,20 @@ def encrypt_files(directory: Path, recipients: list[str]) -> None:
 
 def directory_size(directory: Path) -> int:
     return sum(p.stat().st_size for p in directory.rglob("*") if p.is_file())
+
+
+def fsync_tree(directory: Path, files: bool = True) -> None:
+    """Flush ``directory``'s files (with ``files``) and directories, its own included, to the disk: a checkpoint is
+    acknowledged only once a crash can no longer lose it. Directories are synced after their entries."""
+    paths = sorted(directory.rglob("*"), key=lambda p: len(p.parts), reverse=True)
+    for path in [*paths, directory]:
+        if path.is_symlink() or (path.is_file() and not files):
+            continue
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:  # another rank replaced it meanwhile
+            continue
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)

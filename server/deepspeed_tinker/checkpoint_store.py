@@ -1,7 +1,8 @@
 """Training runs and their checkpoints, in SQLite beside the checkpoints, so listings survive a restart.
 
 Rank 0 alone uses it (HTTP threads and the job loop, one connection behind a lock). A checkpoint is
-recorded once its files are complete; one whose ``ttl_seconds`` have passed is hidden at once and
+recorded once its files are complete and on disk, and its save is acknowledged only after that record is
+committed (``server._record_and_resolve``); one whose ``ttl_seconds`` have passed is hidden at once and
 deleted, files and row, by ``reap()``, which the job loop calls between jobs (so it never deletes a
 directory a save is writing) and at start-up (so what expired while the server was down goes too).
 With ``--keep-checkpoints K``, ``prune()`` keeps only each run's K newest training and K newest sampler
@@ -89,6 +90,9 @@ class CheckpointStore:
         root.mkdir(parents=True, exist_ok=True)
         self._db = sqlite3.connect(str(root / DB_FILE), check_same_thread=False, isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL")
+        # Each write is its own transaction (isolation_level None), committed to disk before it returns: the job loop
+        # records a checkpoint and only then acknowledges its save, so an acknowledged checkpoint survives a crash.
+        self._db.execute("PRAGMA synchronous=FULL")
         self._db.executescript(_SCHEMA)
         self._lock = threading.Lock()
         self._clock = clock

@@ -21,6 +21,8 @@ from pathlib import Path
 from ds_harness import ranks
 from ds_harness.ranks import free_port  # noqa: F401 - re-exported for the server's tests
 
+from .faults import DEFAULT_DRAIN_S, EXIT_RANK_FAILED
+
 
 def cuda_device_count() -> int:
     """GPUs this machine offers torch (0 without CUDA)."""
@@ -29,12 +31,16 @@ def cuda_device_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def serve(world_size: int | None, rank_args: list[str], grace_s: float = 90.0, device: str = "auto") -> int:
-    """Run ``world_size`` ranks until they exit; SIGTERM/SIGINT stop them through rank 0.
+def serve(world_size: int | None, rank_args: list[str], grace_s: float = 90.0, device: str = "auto",
+          fault_drain_s: float = DEFAULT_DRAIN_S) -> int:
+    """Run ``world_size`` ranks until they exit; SIGTERM/SIGINT stop them through rank 0. Returns 0 after a clean
+    stop, rank 0's own code if it exited with one (2: bad options), else ``EXIT_RANK_FAILED``.
 
     Without ``world_size``: one rank per CUDA GPU, or 2 CPU ranks where there is none (or with
     ``device="cpu"``). Rank 0 finishes the job in hand, tells the other ranks to stop, and everyone
-    exits 0. A rank that dies takes the others down with it (they would wait on it forever).
+    exits 0. When another rank dies, rank 0 fails every request for ``fault_drain_s`` and exits
+    (``faults``): the other ranks are stopped at once, rank 0 once it is past its drain (or at once if
+    it is the one that died).
     """
     gpus = 0 if device == "cpu" else cuda_device_count()
     if device == "cuda" and not gpus:
@@ -50,6 +56,7 @@ def serve(world_size: int | None, rank_args: list[str], grace_s: float = 90.0, d
     # Models come from local configs; never reach for a hub.
     rank_procs = ranks.start_ranks(command, world_size, cpu=not gpus, env={"HF_HUB_OFFLINE": "1", **os.environ})
     stop_requested: list[float] = []
+    failed_at: list[float] = []
 
     def request_stop(*_: object) -> None:
         if not stop_requested:
@@ -63,14 +70,21 @@ def serve(world_size: int | None, rank_args: list[str], grace_s: float = 90.0, d
         codes = [r.poll() for r in rank_procs]
         if all(c is not None for c in codes):
             break
-        failed = any(c not in (None, 0) for c in codes)
+        if any(c not in (None, 0) for c in codes) and not failed_at:
+            failed_at.append(time.monotonic())
+            for r in rank_procs[1:]:  # they would wait on the dead rank forever
+                if r.poll() is None:
+                    ranks.kill_tree(r.pid)
+        drained = failed_at and (codes[0] is not None or time.monotonic() - failed_at[0] > fault_drain_s + 30)
         overdue = stop_requested and time.monotonic() - stop_requested[0] > grace_s
-        if failed or overdue:
+        if drained or overdue:
             for r in rank_procs:
                 if r.poll() is None:
                     ranks.kill_tree(r.pid)
         time.sleep(0.2)
-    return next((c for c in codes if c), 0)
+    if not any(codes):
+        return 0
+    return codes[0] if codes[0] and codes[0] > 0 else EXIT_RANK_FAILED
 
 
 class ServerProcess:

@@ -25,27 +25,59 @@ import torch
 
 from .checkpoint_files import read_weights
 from .model import BASE_MODELS, LoraSpec, build_base, build_model, token_logprobs
-from .sampling import SampledSequence, SampleJob, SampleResult, SnapshotRef
+from .sampling import DEFAULT_SNAPSHOT_BYTES, MAX_SNAPSHOTS, SampledSequence, SampleJob, SampleResult, SnapshotRef
 from .wire import UserError
 
 #: Beside the weights (``checkpoint_files``) of a named snapshot: its base model and LoRA config.
 SAMPLER_META_FILE = "tinker_sampler_meta.json"
-#: Unnamed snapshots (``save_weights_and_get_sampling_client``) kept in memory on every rank.
-MAX_SNAPSHOTS = 8
+#: Under ZeRO-3, modules are gathered together while their parameters add up to at most this many elements (a
+#: module larger than it alone): the most a rank holds gathered at once, beside the CPU copies.
+GATHER_BUCKET_NUMEL = 1 << 24
 
 
-def capture_weights(engine: Any, zero_stage: int, trainable_only: bool) -> dict[str, torch.Tensor]:
+def capture_weights(engine: Any, zero_stage: int, trainable_only: bool,
+                    bucket_numel: int = GATHER_BUCKET_NUMEL) -> dict[str, torch.Tensor]:
     """CPU copies of the engine's (trainable) parameters, whole even under ZeRO-3.
 
-    Every rank must call this together under ZeRO-3 (the gather is a collective).
+    Under ZeRO-3 every rank must call this together (each gather is a collective): the parameters are gathered a
+    few modules at a time (``bucket_numel`` elements, or one module if larger), copied and released before the next,
+    so no rank ever holds the whole model gathered. LoRA adapters, small, take one or a few gathers.
     """
     named = [(n, p) for n, p in engine.module.named_parameters() if p.requires_grad or not trainable_only]
-    if zero_stage == 3:
-        import deepspeed
+    if zero_stage != 3:
+        return {n: p.detach().to("cpu", copy=True) for n, p in named}
+    import deepspeed
 
-        with deepspeed.zero.GatheredParameters([p for _, p in named], modifier_rank=None):
-            return {n: p.detach().to("cpu", copy=True) for n, p in named}
-    return {n: p.detach().to("cpu", copy=True) for n, p in named}
+    names = {id(p): n for n, p in named}
+    groups: list[list[torch.nn.Parameter]] = [[]]
+    taken: set[int] = set()  # a parameter two modules share is gathered once
+    size = 0
+    for module in engine.module.modules():  # every rank walks the same modules in the same order
+        own = [p for p in module.parameters(recurse=False) if id(p) in names and id(p) not in taken]
+        if not own:
+            continue
+        taken.update(id(p) for p in own)
+        numel = sum(int(getattr(p, "ds_numel", p.numel())) for p in own)
+        if groups[-1] and size + numel > bucket_numel:
+            groups.append([])
+            size = 0
+        groups[-1] += own
+        size += numel
+    copies: dict[str, torch.Tensor] = {}
+    for group in filter(None, groups):
+        with deepspeed.zero.GatheredParameters(group, modifier_rank=None):
+            for p in group:
+                copies[names[id(p)]] = p.detach().to("cpu", copy=True)
+    return {n: copies[n] for n, _ in named}
+
+
+def tensor_bytes(tensors: Any) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (a storage shared by several counts once)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        storage = t.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
 
 
 def _decoder(base_model: str) -> Callable[[list[int]], str]:
@@ -61,9 +93,12 @@ def _decoder(base_model: str) -> Callable[[list[int]], str]:
 class SamplerPool:
     """This rank's snapshots and the plain modules they are loaded into."""
 
-    def __init__(self, device: torch.device, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, device: torch.device, dtype: torch.dtype = torch.float32, max_snapshots: int = MAX_SNAPSHOTS,
+                 max_bytes: int = DEFAULT_SNAPSHOT_BYTES) -> None:
         self.device = device
         self.dtype = dtype
+        self.max_snapshots = max_snapshots
+        self.max_bytes = max_bytes
         #: One plain (unsharded) base model per served model: the base-model sampler itself, and the frozen weights
         #: every LoRA sampler module of that model shares (a full fine-tuning snapshot needs a copy of its own).
         self._bases: dict[str, torch.nn.Module] = {}
@@ -75,14 +110,22 @@ class SamplerPool:
     # ---------------------------------------------------------------- snapshots
 
     def keep(self, snapshot_id: str, weights: dict[str, torch.Tensor]) -> None:
-        """Hold a snapshot; one saved again under the same id (a reused name) replaces the old one."""
+        """Hold a snapshot; one saved again under the same id (a reused name) replaces the old one. The least
+        recently used go while more than ``max_snapshots`` are held or their distinct tensors take more than
+        ``max_bytes`` (the newest stays, whatever its size); snapshots of the same weights share their tensors
+        (``Worker._save_sampler``), which count once."""
         for key, loaded in self._loaded.items():
             if loaded == snapshot_id:
                 self._loaded[key] = ""
         self._snapshots[snapshot_id] = weights
         self._snapshots.move_to_end(snapshot_id)
-        while len(self._snapshots) > MAX_SNAPSHOTS:
+        while len(self._snapshots) > 1 and (len(self._snapshots) > self.max_snapshots
+                                            or self.held_bytes() > self.max_bytes):
             self._snapshots.popitem(last=False)
+
+    def held_bytes(self) -> int:
+        """Bytes of the snapshots held (each tensor once)."""
+        return tensor_bytes(t for weights in self._snapshots.values() for t in weights.values())
 
     def _weights(self, ref: SnapshotRef) -> dict[str, torch.Tensor]:
         if ref.snapshot_id in self._snapshots:
@@ -92,8 +135,9 @@ class SamplerPool:
             if ref.snapshot_id.startswith("base:"):
                 return {}
             raise UserError(f"the sampler's weights ({ref.snapshot_id}) are no longer held; this server keeps the "
-                            f"last {MAX_SNAPSHOTS} unnamed snapshots (save_weights_for_sampler(name) keeps them "
-                            "on disk)")
+                            f"last {self.max_snapshots} unnamed snapshots, {self.max_bytes >> 20} MiB at most "
+                            "(--sampler-snapshots, --sampler-snapshot-mib; save_weights_for_sampler(name) keeps "
+                            "them on disk)")
         try:
             weights = read_weights(Path(ref.file))
         except (OSError, RuntimeError, ValueError) as e:  # deleted, or not a checkpoint this server wrote

@@ -18,6 +18,10 @@ from .wire import UserError, _pb
 
 #: Most samples one request may ask for.
 MAX_NUM_SAMPLES = 256
+#: Unnamed sampler snapshots (``save_weights_and_get_sampling_client``) each rank keeps in memory, at most
+#: (``--sampler-snapshots``), and their bytes at most (``--sampler-snapshot-mib``; the newest is always kept).
+MAX_SNAPSHOTS = 8
+DEFAULT_SNAPSHOT_BYTES = 4 << 30
 
 
 @dataclass(frozen=True)

@@ -59,6 +59,8 @@ class FutureStore:
         #: request_id -> the events of the coroutines waiting on it, each with its loop.
         self._async_waiters: dict[str, list[tuple[asyncio.AbstractEventLoop, asyncio.Event]]] = {}
         self._ids = itertools.count(1)
+        #: Set by ``fail_all``: (error, category) every future gets, pending or new.
+        self._failed_with: tuple[str, str] | None = None
 
     def create(self, internal: bool = False) -> Future:
         """A new pending future; FutureStoreFull if the store is full (``internal``: the server's own bookkeeping
@@ -73,6 +75,9 @@ class FutureStore:
                     "(--max-futures); retry once requests finish")
             future = Future(f"req-{next(self._ids)}")
             self._futures[future.request_id] = future
+            if self._failed_with is not None:  # born failed: see fail_all
+                future.status, (future.error, future.category) = "error", self._failed_with
+                self._finished[future.request_id] = self._clock()
             return future
 
     def check_room(self, count: int) -> None:
@@ -103,6 +108,16 @@ class FutureStore:
 
     def fail(self, request_id: str, error: str, category: str) -> None:
         self._finish(request_id, status="error", error=error, category=category)
+
+    def fail_all(self, error: str, category: str = "server") -> int:
+        """Fail every pending future with ``error``, and every future created from now on (a server that lost a
+        rank answers each request so while it drains, see ``faults``); how many were pending."""
+        with self._cond:
+            self._failed_with = (error, category)
+            pending = [request_id for request_id, future in self._futures.items() if future.status == "pending"]
+        for request_id in pending:
+            self.fail(request_id, error, category)
+        return len(pending)
 
     def _finish(self, request_id: str, **fields: Any) -> None:
         with self._cond:

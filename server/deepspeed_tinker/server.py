@@ -17,11 +17,12 @@ import json
 import logging
 import os
 import signal
+import time
 import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -29,9 +30,12 @@ import torch.distributed as dist
 from ds_harness.ranks import disable_cpu_shm_allreduce
 from .api import ApiSettings, TinkerApi
 from .byte_tokenizer import write_byte_tokenizer
+from .faults import (DEFAULT_DRAIN_S, DEFAULT_PEER_TIMEOUT_S, EXIT_RANK_FAILED, HEARTBEAT_S, FaultDrain, PeerWatch,
+                     heartbeat)
 from .http_app import DEFAULT_MAX_BODY_BYTES, HttpServer, HttpSettings, build_app
 from .keys import check_host, load_api_keys, startup_line
 from .model import register_local_model
+from .sampler import DEFAULT_SNAPSHOT_BYTES, MAX_SNAPSHOTS
 from .scheduler import DEFAULT_FUTURE_TTL_S, DEFAULT_MAX_FUTURES, FutureStore, Job, Scheduler
 from .threads import intra_op_threads
 from .wire import UserError
@@ -74,6 +78,14 @@ class RankOptions:
     future_ttl_s: float = DEFAULT_FUTURE_TTL_S
     #: torch intra-op threads per rank (``--threads-per-rank``); None: the rank's share of the cores (``threads``).
     threads_per_rank: int | None = None
+    #: After a rank dies or a collective fails: how long rank 0 answers every request with the error before it
+    #: exits with ``EXIT_RANK_FAILED`` (``--fault-drain-s``).
+    fault_drain_s: float = DEFAULT_DRAIN_S
+    #: A rank silent this long counts as dead (``--peer-timeout-s``); a rank that exits is seen at once.
+    peer_timeout_s: float = DEFAULT_PEER_TIMEOUT_S
+    #: Unnamed sampler snapshots each rank keeps, at most, and their bytes at most (the newest is always kept).
+    sampler_snapshots: int = MAX_SNAPSHOTS
+    sampler_snapshot_bytes: int = DEFAULT_SNAPSHOT_BYTES
 
 
 def versions_line() -> str:
@@ -96,17 +108,54 @@ def _run_safely(worker: Worker, kind: str, model_id: str, payload: Any) -> tuple
         return "server", f"{type(e).__name__}: {e}"
 
 
-def _execute(worker: Worker, job: Job, futures: FutureStore) -> bool:
-    """Run a job on every rank; whether every rank succeeded."""
-    command: list[Any] = [(job.kind, job.model_id, job.payload)]
-    dist.broadcast_object_list(command, src=0)
+def _on_every_rank(worker: Worker, command: tuple[str, str, Any]) -> list[Any]:
+    """Broadcast a command, run this rank's part, and gather every rank's (status, part); raises if a collective
+    does (a rank died, or the group is otherwise broken)."""
+    box: list[Any] = [command]
+    dist.broadcast_object_list(box, src=0)
     parts: list[Any] = [None] * worker.world_size
-    dist.gather_object(_run_safely(worker, *command[0]), parts, dst=0)
+    dist.gather_object(_run_safely(worker, *box[0]), parts, dst=0)
+    return parts
+
+
+def _collective_failed(jobs: list[Job], error: Exception, futures: FutureStore, drain: FaultDrain) -> None:
+    """The ranks can no longer be trusted to run commands in step: fail the jobs, then every other request. A rank
+    that died is the usual cause: the watch names it within moments (its message is the more useful one)."""
+    deadline = time.monotonic() + 3 * HEARTBEAT_S
+    while not drain.tripped and time.monotonic() < deadline:
+        time.sleep(0.05)
+    message = (f"a collective between the ranks failed while running {jobs[0].kind}: {type(error).__name__}: "
+               f"{error}")
+    log.error("rank 0: %s", message)
+    for job in jobs:
+        futures.fail(job.request_id, message, "server")
+    drain.trip(message)
+
+
+def _execute(worker: Worker, job: Job, futures: FutureStore, drain: FaultDrain,
+             record: Callable[[Job], None]) -> bool:
+    """Run a job on every rank; whether every rank succeeded. ``record`` runs before the future resolves (a
+    checkpoint is in the store before its save is acknowledged)."""
+    try:
+        parts = _on_every_rank(worker, (job.kind, job.model_id, job.payload))
+    except Exception as e:
+        _collective_failed([job], e, futures, drain)
+        return False
     failures = [part for part in parts if part[0] != "ok"]
     if failures:
         futures.fail(job.request_id, failures[0][1], failures[0][0])
         return False
-    futures.resolve(job.request_id, merge(job.kind, [part[1] for part in parts]))
+    return _record_and_resolve(job, merge(job.kind, [part[1] for part in parts]), futures, record)
+
+
+def _record_and_resolve(job: Job, result: Any, futures: FutureStore, record: Callable[[Job], None]) -> bool:
+    try:
+        record(job)
+    except Exception as e:
+        log.exception("rank 0: recording %s for %s", job.kind, job.model_id)
+        futures.fail(job.request_id, f"the server could not record the result: {type(e).__name__}: {e}", "server")
+        return False
+    futures.resolve(job.request_id, result)
     return True
 
 
@@ -114,13 +163,15 @@ def _execute(worker: Worker, job: Job, futures: FutureStore) -> bool:
 MAX_SAMPLE_BATCH = 32
 
 
-def _execute_samples(worker: Worker, jobs: list[Job], futures: FutureStore) -> list[bool]:
+def _execute_samples(worker: Worker, jobs: list[Job], futures: FutureStore, drain: FaultDrain,
+                     record: Callable[[Job], None]) -> list[bool]:
     """Concurrent sampling requests (consecutive in the queue) as one command on every rank, so they decode as one
     batch (``SamplerPool.sample_many``); each future gets its own result or its own user error."""
-    command: list[Any] = [("sample_many", "", [job.payload for job in jobs])]
-    dist.broadcast_object_list(command, src=0)
-    parts: list[Any] = [None] * worker.world_size
-    dist.gather_object(_run_safely(worker, *command[0]), parts, dst=0)
+    try:
+        parts = _on_every_rank(worker, ("sample_many", "", [job.payload for job in jobs]))
+    except Exception as e:
+        _collective_failed(jobs, e, futures, drain)
+        return [False] * len(jobs)
     failures = [part for part in parts if part[0] != "ok"]
     if failures:
         for job in jobs:
@@ -129,15 +180,18 @@ def _execute_samples(worker: Worker, jobs: list[Job], futures: FutureStore) -> l
     done = []
     for job, (status, value) in zip(jobs, merge("sample_many", [part[1] for part in parts])):
         if status == "ok":
-            futures.resolve(job.request_id, value)
+            done.append(_record_and_resolve(job, value, futures, record))
         else:
             futures.fail(job.request_id, value, status)
-        done.append(status == "ok")
+            done.append(False)
     return done
 
 
-def _drive(worker: Worker, options: RankOptions) -> None:
-    """Rank 0: serve HTTP, execute jobs in order until SIGTERM/SIGINT, then stop the followers."""
+def _drive(worker: Worker, options: RankOptions, watch: PeerWatch | None) -> None:
+    """Rank 0: serve HTTP, execute jobs in order until SIGTERM/SIGINT, then stop the followers.
+
+    After a fault (``watch`` finds a rank dead, or a collective raises) it never returns: the drain fails every
+    request for ``fault_drain_s`` and exits the process (``faults.FaultDrain``)."""
     futures = FutureStore(options.max_futures, options.future_ttl_s)
     scheduler = Scheduler(futures)
     tokenizer_dir = write_byte_tokenizer(options.checkpoint_root / "tokenizers" / "byte-level")
@@ -148,6 +202,17 @@ def _drive(worker: Worker, options: RankOptions) -> None:
     check_host(options.host, keys)
     http_settings = HttpSettings(max_body_bytes=options.max_body_bytes, access_log=options.access_log, api_keys=keys)
     http = HttpServer(build_app(api, http_settings), options.host, options.port, http_settings).start()
+
+    def after_fault() -> None:
+        http.shutdown()
+        api.store.close()
+
+    drain = FaultDrain(futures.fail_all, scheduler.stop, options.fault_drain_s, after_fault)
+    if watch is not None:
+        watch.start(drain.trip)
+
+    def record(job: Job) -> None:
+        api.job_finished(job.kind, job.model_id, job.payload, True)
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: scheduler.stop())
     host = "127.0.0.1" if options.host in ("", "0.0.0.0") else options.host
@@ -157,6 +222,9 @@ def _drive(worker: Worker, options: RankOptions) -> None:
           f"{worker.dtype}{', gradient checkpointing' if worker.gradient_checkpointing else ''}, "
           f"serving {base_url} (pid {os.getpid()})", flush=True)
     print(f"[tinker-server] {startup_line(options.host, keys)}", flush=True)
+    print(f"[tinker-server] if a rank dies (or is silent {options.peer_timeout_s:g} s) or a collective fails: every "
+          f"request fails with a server error for {options.fault_drain_s:g} s, then exit code {EXIT_RANK_FAILED}",
+          flush=True)
     if options.ready_file is not None:
         tmp = options.ready_file.with_suffix(".tmp")
         tmp.write_text(json.dumps({"base_url": base_url, "pid": os.getpid()}))
@@ -167,7 +235,7 @@ def _drive(worker: Worker, options: RankOptions) -> None:
         while not scheduler.stopped:
             api.reap_expired()  # here, between jobs, a save never has its directory deleted under it
             job = scheduler.next_job(timeout=1.0)
-            if job is None:
+            if job is None or drain.tripped:
                 continue
             if job.kind == "save_weights":
                 try:
@@ -179,11 +247,14 @@ def _drive(worker: Worker, options: RankOptions) -> None:
             if job.kind == "sample":
                 batch = [job, *scheduler.take_consecutive("sample", MAX_SAMPLE_BATCH - 1)]
                 if len(batch) > 1:
-                    for each, ok in zip(batch, _execute_samples(worker, batch, futures)):
-                        api.job_finished(each.kind, each.model_id, each.payload, ok)
+                    _execute_samples(worker, batch, futures, drain, record)
                     continue
-            api.job_finished(job.kind, job.model_id, job.payload, _execute(worker, job, futures))
+            _execute(worker, job, futures, drain, record)
     finally:
+        if drain.tripped:
+            drain.wait()  # no collective with a broken group: the drain thread exits the process
+        if watch is not None:
+            watch.disarm()  # the followers exit now, which is no fault
         dist.broadcast_object_list([None], src=0)
         http.shutdown()
         api.store.close()
@@ -221,6 +292,21 @@ def backend_and_device(choice: str) -> tuple[str, torch.device]:
     return "gloo", torch.device("cpu")
 
 
+def _watch_ranks(timeout_s: float) -> PeerWatch | None:
+    """Rank 0: a ``PeerWatch`` every other rank has connected to (None alone); the others: start heartbeating."""
+    if dist.get_world_size() == 1:
+        return None
+    watch = PeerWatch(dist.get_world_size(), timeout_s) if dist.get_rank() == 0 else None
+    address: list[Any] = [(watch.port, watch.token) if watch is not None else None]
+    dist.broadcast_object_list(address, src=0)
+    if watch is not None:
+        watch.accept()
+        return watch
+    port, token = address[0]
+    heartbeat(os.environ.get("MASTER_ADDR", "127.0.0.1"), port, token, dist.get_rank())
+    return None
+
+
 def run_rank(options: RankOptions) -> int:
     """Entry point of one rank process; the launcher sets RANK, WORLD_SIZE, LOCAL_RANK and MASTER_* ."""
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -239,11 +325,13 @@ def run_rank(options: RankOptions) -> int:
     ds_logger.setLevel(logging.WARNING)
     disable_cpu_shm_allreduce()
     deepspeed.init_distributed(dist_backend=backend)
+    watch = _watch_ranks(options.peer_timeout_s)
     worker = Worker(dist.get_rank(), dist.get_world_size(), options.zero_stage, device, dtype=options.dtype,
-                    gradient_checkpointing=options.gradient_checkpointing)
+                    gradient_checkpointing=options.gradient_checkpointing,
+                    snapshots=(options.sampler_snapshots, options.sampler_snapshot_bytes))
     try:
         if worker.rank == 0:
-            _drive(worker, options)
+            _drive(worker, options, watch)
         else:
             _follow(worker)
     finally:

@@ -21,7 +21,7 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from .checkpoint_files import copy_tokenizer, encrypt_files, write_weights
+from .checkpoint_files import copy_tokenizer, encrypt_files, fsync_tree, write_weights
 from .losses import LossInputs, elementwise_loss
 from .model import (BASE_MODELS, DTYPES, build_base, build_model, enable_gradient_checkpointing, token_logprobs,
                     zero3_construction)
@@ -144,13 +144,18 @@ class TrainingModel:
     requests: int = 0  # forward_backward requests accumulated since the last step
     datums: int = 0
     steps: int = 0
+    #: Changes whenever the weights do (optim_step, load_weights): snapshots of one version share their tensors.
+    version: int = 0
+    #: (version, tensors) of this model's latest sampler snapshot.
+    last_snapshot: tuple[int, dict[str, torch.Tensor]] | None = None
 
 
 class Worker:
     """Executes commands on this rank; returns this rank's part of the result."""
 
     def __init__(self, rank: int, world_size: int, zero_stage: int, device: torch.device | None = None,
-                 dtype: str = "fp32", gradient_checkpointing: bool = False) -> None:
+                 dtype: str = "fp32", gradient_checkpointing: bool = False,
+                 snapshots: tuple[int, int] | None = None) -> None:
         self.rank = rank
         self.world_size = world_size
         self.zero_stage = zero_stage
@@ -160,7 +165,7 @@ class Worker:
         self.models: dict[str, TrainingModel] = {}
         #: One frozen base model per served model, shared by every LoRA client of it (``_module_for``).
         self.bases: dict[str, torch.nn.Module] = {}
-        self.samplers = SamplerPool(self.device, DTYPES[dtype])
+        self.samplers = SamplerPool(self.device, DTYPES[dtype], *(snapshots or ()))
 
     def run(self, kind: str, model_id: str, payload: Any) -> Any:
         if kind == "create":
@@ -263,6 +268,7 @@ class Worker:
         _, step_kwargs = sum_over_ranks(engine)
         engine.step(**step_kwargs)
         model.steps += 1
+        model.version += 1
         metrics = {"fwdbwd_requests:sum": float(model.requests), "datums:sum": float(model.datums),
                    "optim_steps:max": float(model.steps)}
         model.requests = model.datums = 0
@@ -284,9 +290,12 @@ class Worker:
         weights = capture_weights(engine, self.zero_stage, trainable_only=model.lora is not None)
         if self.rank == 0:
             write_weights(directory, engine.module, weights, job["meta"]["base_model"])
+            fsync_tree(directory)
             # written last: its presence marks a complete checkpoint
             meta = dict(job["meta"], zero_stage=self.zero_stage, world_size=self.world_size, steps=model.steps)
             (directory / META_FILE).write_text(json.dumps(meta, indent=1))
+        # Durable before rank 0 records it and acknowledges the save: every rank's DeepSpeed files are on disk.
+        fsync_tree(directory)
         return {"path": job["path"], "type": "save_weights"}
 
     def _load(self, model: TrainingModel, job: dict[str, Any]) -> dict[str, Any]:
@@ -298,12 +307,21 @@ class Worker:
                                                  load_module_only=not job["optimizer"])
         if job["optimizer"] and client_state:
             model.steps = int(client_state.get("tinker_steps", 0))
+        model.version += 1
         return {"path": job["path"], "type": "load_weights"}
 
     def _save_sampler(self, model: TrainingModel, job: dict[str, Any]) -> dict[str, Any]:
-        """Snapshot the current weights for sampling (a collective under ZeRO-3); rank 0 writes a named one."""
-        weights = capture_weights(model.engine, self.zero_stage, trainable_only=model.lora is not None)
+        """Snapshot the current weights for sampling (a collective under ZeRO-3); rank 0 writes a named one.
+
+        Weights unchanged since this model's last snapshot (no optim_step or load between) are not gathered again:
+        the new snapshot shares the last one's tensors. The version is the same on every rank (it depends on the
+        commands alone, not on what a rank's sampler pool still holds), so every rank skips the collective together."""
+        if model.last_snapshot is not None and model.last_snapshot[0] == model.version:
+            weights = model.last_snapshot[1]
+        else:
+            weights = capture_weights(model.engine, self.zero_stage, trainable_only=model.lora is not None)
         self.samplers.keep(job["snapshot_id"], weights)
+        model.last_snapshot = (model.version, weights)
         if job.get("dir") and self.rank == 0:
             with replacing(Path(job["dir"])) as directory:
                 write_weights(directory, model.engine.module, weights, job["meta"]["base_model"])
@@ -338,8 +356,10 @@ def replacing(directory: Path) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+    fsync_tree(staging)  # on disk before it is swapped in, recorded and acknowledged
     shutil.rmtree(directory, ignore_errors=True)
     staging.rename(directory)
+    fsync_tree(directory.parent, files=False)
 
 
 def merge(kind: str, parts: list[Any]) -> Any:
