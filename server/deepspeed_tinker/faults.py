@@ -31,7 +31,7 @@ log = logging.getLogger("tinker_server")
 #: Exit code of a rank (and of ``serve``) after a rank died or a collective failed.
 EXIT_RANK_FAILED = 3
 #: Defaults of ``--fault-drain-s`` and ``--peer-timeout-s``.
-DEFAULT_DRAIN_S = 30.0
+DEFAULT_DRAIN_S = 20.0
 DEFAULT_PEER_TIMEOUT_S = 60.0
 HEARTBEAT_S = 1.0
 #: How long a follower that lost rank 0 waits before exiting (a clean stop finishes well within it).

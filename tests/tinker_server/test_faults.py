@@ -62,6 +62,7 @@ def test_a_rank_killed_while_idle_makes_the_next_call_raise(tmp_path: Path) -> N
         killed = time.monotonic()
         with pytest.raises(tinker.RequestFailedError) as failed:
             training.forward_backward(to_sdk(random_data(rng, 2)), "cross_entropy").result(timeout=110)
+        print(f"the next call raised {time.monotonic() - killed:.2f} s after the kill")
         assert time.monotonic() - killed < RAISE_WITHIN_S
         assert_server_error(failed, 1)
         # A new client in the drain window: answered (no connection error to retry), and its work fails the same way.
@@ -92,6 +93,7 @@ def test_a_rank_killed_mid_job_fails_that_job(tmp_path: Path) -> None:
         killed = time.monotonic()
         with pytest.raises(tinker.RequestFailedError) as failed:
             job.result(timeout=110)
+        print(f"the job in flight raised {time.monotonic() - killed:.2f} s after the kill")
         assert time.monotonic() - killed < RAISE_WITHIN_S
         assert_server_error(failed, 1)
         assert_exits_with_fault(server)

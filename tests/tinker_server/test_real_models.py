@@ -106,6 +106,18 @@ def test_dtype_checkpointing_sharding_and_shared_base(tmp_path: Path, qwen3_dir:
             total = sum(p["ds_numel"] for p in sharding["params"])
             assert held < 0.75 * total, (held, total)
 
+    if zero_stage == 3:  # sampler snapshots: gathered a module at a time, shared when unchanged, bounded
+        for report in reports:
+            snap = report["snapshots"]
+            assert snap["largest_module"] < snap["total"] / 2, snap  # else per module would prove nothing
+            assert snap["peak_per_module"] <= snap["largest_module"], snap
+            assert snap["peak_default"] <= max(snap["bucket"], snap["largest_module"]), snap
+            assert snap["equal_to_whole_gather"], "a snapshot gathered in pieces differs from the whole gather"
+            assert snap["gathers_for_two_unchanged"] == 1 and snap["shared"], snap
+            assert snap["bytes_two_unchanged"] == snap["one_snapshot_bytes"], snap
+            assert snap["changed_by_step"] and snap["held_after_step"] == ["c"], snap
+            assert snap["held_bytes"] <= snap["max_bytes"], snap
+
 
 def test_the_sdk_trains_a_named_model_in_bf16_with_checkpointing_on_zero3(tmp_path: Path, qwen3_dir: Path) -> None:
     """``--base-model NAME=PATH --dtype bf16 --gradient-checkpointing`` on ZeRO-3, through the SDK: two LoRA clients

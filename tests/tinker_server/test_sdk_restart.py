@@ -1,4 +1,8 @@
-"""save_weights -> stop -> a new server loads the checkpoint -> the next step is identical."""
+"""save_weights -> stop (or kill) -> a new server loads the checkpoint -> the next step is identical.
+
+Killed: the whole server (launcher and ranks) gets SIGKILL the moment the SDK has the last ``save_state``'s
+acknowledgement; that checkpoint must be in the store and load, since the ack promised it exists.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +17,9 @@ from tinker_sdk_helpers import require
 tinker = require("tinker")
 from tinker import types  # noqa: E402
 
+from deepspeed_tinker.api import parse_tinker_path  # noqa: E402
+from deepspeed_tinker.checkpoint_store import CheckpointStore  # noqa: E402
+from ds_harness.ranks import kill_tree  # noqa: E402
 from tinker_sdk_helpers import (API_KEY, RESULT_TIMEOUT_S, adam, random_data, saved_weights,  # noqa: E402
                                 start_server, stop_server, to_sdk, unmanaged_stage_supported)
 
@@ -27,7 +34,8 @@ def train_step(training, batches: list, params: dict[str, float]) -> dict[str, f
     return optim.result(timeout=RESULT_TIMEOUT_S).metrics
 
 
-def test_a_restarted_server_continues_identically(tmp_path: Path) -> None:
+@pytest.mark.parametrize("how", ["stopped", "killed"])
+def test_a_restarted_server_continues_identically(tmp_path: Path, how: str) -> None:
     stages = [s for s in range(4) if unmanaged_stage_supported(s)]
     if not stages:
         pytest.skip("this DeepSpeed supports no ZeRO stage in unmanaged mode")
@@ -46,10 +54,22 @@ def test_a_restarted_server_continues_identically(tmp_path: Path) -> None:
             train_step(training, batches, params)
         middle = training.save_state("middle").result(timeout=RESULT_TIMEOUT_S)
         uninterrupted = train_step(training, *steps[2])
-        expected = saved_weights(checkpoints, training.save_state("after").result(timeout=RESULT_TIMEOUT_S).path)
-        service.close("success").result(timeout=30)
+        after = training.save_state("after").result(timeout=RESULT_TIMEOUT_S)
+        if how == "killed":
+            kill_tree(first.process.pid)  # right after the ack: nothing of the server runs on
+        else:
+            service.close("success").result(timeout=30)
     finally:
-        stop_server(first)
+        if how == "killed":
+            first.stop()
+        else:
+            stop_server(first)
+    if how == "killed":  # the acknowledged checkpoint is recorded and complete
+        run_id = parse_tinker_path(after.path)[0]
+        store = CheckpointStore(checkpoints)
+        assert store.checkpoint(run_id, "weights/after") is not None, "acknowledged, then lost from the store"
+        store.close()
+    expected = saved_weights(checkpoints, after.path)
 
     second = start_server(tmp_path / "second", stage, checkpoints)
     try:
@@ -66,6 +86,10 @@ def test_a_restarted_server_continues_identically(tmp_path: Path) -> None:
         reloaded = saved_weights(checkpoints, weights_only.save_state("loaded").result(timeout=RESULT_TIMEOUT_S).path)
         for name, value in saved_weights(checkpoints, middle.path).items():
             assert torch.equal(reloaded[name], value), name
+        last = service.create_training_client_from_state(after.path).result(timeout=120)
+        for name, value in saved_weights(checkpoints, last.save_state("last").result(timeout=RESULT_TIMEOUT_S).path
+                                         ).items():
+            assert torch.equal(value, expected[name]), name
         service.close("success").result(timeout=30)
     finally:
         stop_server(second)

@@ -13,6 +13,10 @@ What it does, with the Worker exactly as the server drives it (commands in the s
    its partition on this rank and the data the rank holds; the gathered weights against the checkpoint file.
 3. ``shared_base``: the LoRA clients' frozen base tensors (the same objects? the same storage?), and whether a
    step of one LoRA client changed another's logprobs.
+4. ``snapshots`` (ZeRO-3): the most parameter elements held gathered at once while sampler snapshots of the full
+   fine-tuning client are taken (per module, and with the default bucket), against the whole model's and the
+   largest module's; whether the snapshots equal one whole-model gather bit for bit; whether a snapshot of unchanged
+   weights shares the last one's tensors without a gather; what the pool holds under a byte budget.
 """
 
 from __future__ import annotations
@@ -21,9 +25,12 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
+
+from deepspeed_tinker.wire import Datum, FwdBwdRequest
+
 
 def main(out_dir: Path, zero_stage: int, dtype: str, model_dir: str) -> None:
-    import numpy as np
     import torch
     import torch.distributed as dist
 
@@ -34,7 +41,6 @@ def main(out_dir: Path, zero_stage: int, dtype: str, model_dir: str) -> None:
     from deepspeed_tinker.api import ModelRecord
     from deepspeed_tinker.model import LoraSpec, register_local_model
     from deepspeed_tinker.sampler import capture_weights
-    from deepspeed_tinker.wire import Datum, FwdBwdRequest
     from deepspeed_tinker.worker import Worker
 
     spec = register_local_model(model_dir)
@@ -122,9 +128,72 @@ def main(out_dir: Path, zero_stage: int, dtype: str, model_dir: str) -> None:
     after = worker.run("forward", "lora-ckpt", forward)
     report["other_lora_unchanged"] = all(np.array_equal(x[0], y[0]) for x, y in zip(before, after))
     report["steps"]["lora-ckpt"] = step("lora-ckpt")
+    if zero_stage == 3:
+        report["snapshots"] = snapshots(worker, "full")
     (out_dir / f"rank{rank}.json").write_text(json.dumps(report))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def snapshots(worker, model_id: str) -> dict:
+    """Section 4 of the module docstring, on a ZeRO-3 engine."""
+    import deepspeed
+    import torch
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    from deepspeed_tinker import sampler
+    from deepspeed_tinker.sampler import capture_weights, tensor_bytes
+
+    engine = worker.models[model_id].engine
+    sharded = [p for p in engine.module.parameters() if not getattr(p, "ds_persist", False)]
+    gathers, peak = [0], [0]
+    whole = deepspeed.zero.GatheredParameters
+
+    class Watched(whole):  # the real gather, counting what is whole at once right after each
+        def __enter__(self):
+            entered = super().__enter__()
+            gathers[0] += 1
+            peak[0] = max(peak[0], sum(p.ds_numel for p in sharded if p.ds_status == ZeroParamStatus.AVAILABLE))
+            return entered
+
+    with whole(list(engine.module.parameters()), modifier_rank=None):  # the old way: everything at once
+        reference = {n: p.detach().to("cpu", copy=True) for n, p in engine.module.named_parameters()}
+    deepspeed.zero.GatheredParameters = Watched
+    try:
+        per_module = capture_weights(engine, 3, trainable_only=False, bucket_numel=0)
+        peak_per_module, peak[0] = peak[0], 0
+        default = capture_weights(engine, 3, trainable_only=False)
+        peak_default = peak[0]
+        ids = {id(p) for p in sharded}
+        module_sizes = [sum(p.ds_numel for p in m.parameters(recurse=False) if id(p) in ids)
+                        for m in engine.module.modules()]
+        pool = worker.samplers
+        gathers[0] = 0
+        for snapshot_id in ("a", "b"):  # no step between: one gather, shared tensors
+            worker.run("save_sampler", model_id, {"snapshot_id": snapshot_id, "reply": {}})
+        gathers_for_two = gathers[0]
+        shared = all(pool._snapshots["a"][n] is pool._snapshots["b"][n] for n in pool._snapshots["a"])
+        one_snapshot = tensor_bytes(pool._snapshots["a"].values())
+        bytes_two = pool.held_bytes()
+        pool.max_bytes = one_snapshot * 3 // 2  # room for one snapshot's tensors, not two
+        data = FwdBwdRequest(model_id, 0, "cross_entropy", False,
+                             (Datum(np.arange(8, dtype=np.int64), np.arange(1, 9, dtype=np.int64),
+                                    np.ones(8, np.float32)), ))
+        worker.run("forward_backward", model_id, data)
+        worker.run("optim_step", model_id, {"learning_rate": 1e-2, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8,
+                                            "weight_decay": 0.0, "grad_clip_norm": 0.0})
+        worker.run("save_sampler", model_id, {"snapshot_id": "c", "reply": {}})
+        held_after_step = sorted(pool._snapshots)
+        changed = any(not torch.equal(pool._snapshots["c"][n], reference[n]) for n in reference)
+    finally:
+        deepspeed.zero.GatheredParameters = whole
+    return {"total": sum(p.ds_numel for p in sharded), "largest_module": max(module_sizes),
+            "peak_per_module": peak_per_module, "peak_default": peak_default, "bucket": sampler.GATHER_BUCKET_NUMEL,
+            "equal_to_whole_gather": sorted(per_module) == sorted(reference) and all(
+                torch.equal(per_module[n], reference[n]) and torch.equal(default[n], reference[n]) for n in reference),
+            "gathers_for_two_unchanged": gathers_for_two, "shared": shared, "one_snapshot_bytes": one_snapshot,
+            "bytes_two_unchanged": bytes_two, "held_after_step": held_after_step, "held_bytes": pool.held_bytes(),
+            "max_bytes": pool.max_bytes, "changed_by_step": changed}
 
 
 if __name__ == "__main__":
