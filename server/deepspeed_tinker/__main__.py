@@ -278,14 +278,15 @@ def main(argv: list[str] | None = None) -> int:
     code = run_rank(RankOptions(port=args.port, zero_stage=args.zero_stage, checkpoint_root=args.checkpoint_dir,
                                 ready_file=args.ready_file, max_chunk_datums=args.max_chunk_datums,
                                 compress_fwdbwd=not args.no_compress, long_poll_s=args.long_poll_s,
+                                fault_drain_s=args.fault_drain_s, peer_timeout_s=args.peer_timeout_s,
+                                sampler_snapshots=args.sampler_snapshots,
+                                sampler_snapshot_bytes=args.sampler_snapshot_mib << 20,
                                 base_models=tuple(args.base_model), host=args.host, device=args.device,
                                 dtype=args.dtype, gradient_checkpointing=args.gradient_checkpointing,
                                 keep_checkpoints=args.keep_checkpoints, max_body_bytes=args.max_body_bytes,
                                 access_log=not args.no_access_log, api_keys_file=args.api_keys_file,
                                 max_futures=args.max_futures, future_ttl_s=args.future_ttl_s,
-                                threads_per_rank=args.threads_per_rank, fault_drain_s=args.fault_drain_s,
-                                peer_timeout_s=args.peer_timeout_s, sampler_snapshots=args.sampler_snapshots,
-                                sampler_snapshot_bytes=args.sampler_snapshot_mib << 20))
+                                threads_per_rank=args.threads_per_rank))
     exit_rank(code)  # a rank that stopped cleanly skips interpreter teardown
 
 

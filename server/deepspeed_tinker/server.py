@@ -70,14 +70,6 @@ class RankOptions:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     #: One log line per HTTP request (``--no-access-log`` turns it off).
     access_log: bool = True
-    #: The API keys to accept, one per line (``--api-keys-file``; ``$DEEPSPEED_TINKER_API_KEYS`` adds more).
-    api_keys_file: Path | None = None
-    #: Futures held at most (pending + finished and kept); past it new work gets 429 (``--max-futures``).
-    max_futures: int = DEFAULT_MAX_FUTURES
-    #: How long a finished result is kept for ``retrieve_future`` (``--future-ttl-s``).
-    future_ttl_s: float = DEFAULT_FUTURE_TTL_S
-    #: torch intra-op threads per rank (``--threads-per-rank``); None: the rank's share of the cores (``threads``).
-    threads_per_rank: int | None = None
     #: After a rank dies or a collective fails: how long rank 0 answers every request with the error before it
     #: exits with ``EXIT_RANK_FAILED`` (``--fault-drain-s``).
     fault_drain_s: float = DEFAULT_DRAIN_S
@@ -86,6 +78,14 @@ class RankOptions:
     #: Unnamed sampler snapshots each rank keeps, at most, and their bytes at most (the newest is always kept).
     sampler_snapshots: int = MAX_SNAPSHOTS
     sampler_snapshot_bytes: int = DEFAULT_SNAPSHOT_BYTES
+    #: The API keys to accept, one per line (``--api-keys-file``; ``$DEEPSPEED_TINKER_API_KEYS`` adds more).
+    api_keys_file: Path | None = None
+    #: Futures held at most (pending + finished and kept); past it new work gets 429 (``--max-futures``).
+    max_futures: int = DEFAULT_MAX_FUTURES
+    #: How long a finished result is kept for ``retrieve_future`` (``--future-ttl-s``).
+    future_ttl_s: float = DEFAULT_FUTURE_TTL_S
+    #: torch intra-op threads per rank (``--threads-per-rank``); None: the rank's share of the cores (``threads``).
+    threads_per_rank: int | None = None
 
 
 def versions_line() -> str:
@@ -326,9 +326,10 @@ def run_rank(options: RankOptions) -> int:
     disable_cpu_shm_allreduce()
     deepspeed.init_distributed(dist_backend=backend)
     watch = _watch_ranks(options.peer_timeout_s)
-    worker = Worker(dist.get_rank(), dist.get_world_size(), options.zero_stage, device, dtype=options.dtype,
-                    gradient_checkpointing=options.gradient_checkpointing,
-                    snapshots=(options.sampler_snapshots, options.sampler_snapshot_bytes))
+    rank, world, limits = dist.get_rank(), dist.get_world_size(), (options.sampler_snapshots,
+                                                                   options.sampler_snapshot_bytes)
+    worker = Worker(rank, world, options.zero_stage, device, dtype=options.dtype, snapshots=limits,
+                    gradient_checkpointing=options.gradient_checkpointing)
     try:
         if worker.rank == 0:
             _drive(worker, options, watch)
