@@ -13,12 +13,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .faults import DEFAULT_DRAIN_S, DEFAULT_PEER_TIMEOUT_S
 from .http_app import DEFAULT_MAX_BODY_BYTES
 from .keys import KEYS_ENV, check_host, load_api_keys
 from .launch import ServerProcess, serve
 from .scheduler import DEFAULT_FUTURE_TTL_S, DEFAULT_MAX_FUTURES
 from .model import parse_base_model
+from .faults import DEFAULT_DRAIN_S, DEFAULT_PEER_TIMEOUT_S
 from .sampling import DEFAULT_SNAPSHOT_BYTES, MAX_SNAPSHOTS
 
 #: Relative to the working directory the server starts in.

@@ -55,12 +55,12 @@ class FutureStore:
         self.max_futures = max_futures
         self.finished_ttl_s = finished_ttl_s
         self._clock = clock
+        #: Set by ``fail_all``: (error, category) every future gets, pending or new.
+        self._failed_with: tuple[str, str] | None = None
         self._cond = threading.Condition()
         #: request_id -> the events of the coroutines waiting on it, each with its loop.
         self._async_waiters: dict[str, list[tuple[asyncio.AbstractEventLoop, asyncio.Event]]] = {}
         self._ids = itertools.count(1)
-        #: Set by ``fail_all``: (error, category) every future gets, pending or new.
-        self._failed_with: tuple[str, str] | None = None
 
     def create(self, internal: bool = False) -> Future:
         """A new pending future; FutureStoreFull if the store is full (``internal``: the server's own bookkeeping
