@@ -83,3 +83,18 @@ def test_a_refused_request_leaves_no_trace_and_can_be_retried(tmp_path: Path) ->
     status, reply = post("optim_step", {"model_id": model_id, "seq_id": 1, **adam}, **{"x-idempotency-key": "k"})
     assert status == 200, "the retry is not answered from the idempotency cache with the 429"
     assert [api.scheduler.next_job(timeout=0).kind for _ in range(2)] == ["optim_step", "optim_step"]
+
+
+def test_fail_all_fails_every_pending_future_and_every_new_one() -> None:
+    """After a fault (``faults.FaultDrain``): pending futures fail, finished ones keep their result, and a future
+    created afterwards is born failed, so a request that arrives during the drain gets the error, not a hang."""
+    futures = FutureStore()
+    done, waiting = futures.create(), futures.create()
+    futures.resolve(done.request_id, {"ok": True})
+    assert futures.fail_all("rank 1 died", "server") == 1
+    assert (futures.wait(done.request_id, 0).status, futures.wait(done.request_id, 0).result) == ("ok", {"ok": True})
+    for future in (futures.wait(waiting.request_id, 0), futures.create()):
+        assert (future.status, future.error, future.category) == ("error", "rank 1 died", "server")
+    futures.resolve(waiting.request_id, {"late": True})  # a job that finishes after the fault changes nothing
+    assert futures.wait(waiting.request_id, 0).status == "error"
+    assert futures.counts() == (0, 3)
