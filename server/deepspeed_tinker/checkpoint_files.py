@@ -125,18 +125,23 @@ def directory_size(directory: Path) -> int:
     return sum(p.stat().st_size for p in directory.rglob("*") if p.is_file())
 
 
-def fsync_tree(directory: Path, files: bool = True) -> None:
-    """Flush ``directory``'s files (with ``files``) and directories, its own included, to the disk: a checkpoint is
-    acknowledged only once a crash can no longer lose it. Directories are synced after their entries."""
-    paths = sorted(directory.rglob("*"), key=lambda p: len(p.parts), reverse=True)
-    for path in [*paths, directory]:
-        if path.is_symlink() or (path.is_file() and not files):
-            continue
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError:  # another rank replaced it meanwhile
-            continue
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+def fsync_tree(directory: Path) -> None:
+    """Flush ``directory``'s files and directories, its own included, to the disk: a checkpoint is acknowledged only
+    once a crash can no longer lose it. Directories are synced after their entries."""
+    for path in sorted(directory.rglob("*"), key=lambda p: len(p.parts), reverse=True):
+        if not path.is_symlink():
+            fsync_path(path)
+    fsync_path(directory)
+
+
+def fsync_path(path: Path) -> None:
+    """Flush one file, or one directory's entries (a rename into it), to the disk; a path gone meanwhile (another
+    rank replaced it) is skipped."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -21,7 +21,7 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from .checkpoint_files import copy_tokenizer, encrypt_files, fsync_tree, write_weights
+from .checkpoint_files import copy_tokenizer, encrypt_files, fsync_path, fsync_tree, write_weights
 from .losses import LossInputs, elementwise_loss
 from .model import (BASE_MODELS, DTYPES, build_base, build_model, enable_gradient_checkpointing, token_logprobs,
                     zero3_construction)
@@ -359,7 +359,7 @@ def replacing(directory: Path) -> Iterator[Path]:
     fsync_tree(staging)  # on disk before it is swapped in, recorded and acknowledged
     shutil.rmtree(directory, ignore_errors=True)
     staging.rename(directory)
-    fsync_tree(directory.parent, files=False)
+    fsync_path(directory.parent)
 
 
 def merge(kind: str, parts: list[Any]) -> Any:
