@@ -25,6 +25,7 @@ import numpy as np
 
 from .checkpoint_files import directory_size, parse_age_recipients
 from .checkpoint_store import CheckpointStore
+from .metrics import ServerMetrics
 from .model import BASE_MODELS, DEFAULT_LORA_RANK, BaseModelSpec, LoraSpec
 from .responses import Response, error_response, json_response
 from .rest_api import RunsApi, parse_ttl
@@ -169,6 +170,8 @@ class TinkerApi:
         self.runs = RunsApi(self.store)
         self._touched: dict[str, float] = {}  # model_id -> when its run's last_request_time was last written
         self._last_reap = 0.0
+        self.metrics = ServerMetrics(scheduler, self.sessions)
+        self.futures.on_finish = self.metrics.observe
         self._posts: dict[str, Callable[[dict[str, str], bytes], Response]] = {
             "client/config": self._client_config,
             "client/dynamic_config": lambda h, b: json_response({}),
