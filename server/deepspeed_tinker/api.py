@@ -774,6 +774,8 @@ class TinkerApi:
         future = await self.futures.wait_async(request_id, self.settings.long_poll_s)
         if future is None:
             return error_response(404, f"unknown request_id {request_id!r}")
+        if future.session:  # a client waiting for its results is alive, heartbeat or not
+            self._touch_session(future.session)
         if future.status == "pending":
             state, reason = queue_state(self.scheduler.position(request_id))
             return json_response({"type": "try_again", "request_id": request_id, "queue_state": state,

@@ -5,10 +5,12 @@ large ``forward_backward`` is split into chunks sent in parallel, the first one 
 POSTs. So handlers only register work and return a future id at once; jobs are released strictly
 in each model's ``seq_id`` order, and a retried ``seq_id`` maps to the future it already has.
 
-Released jobs wait in one queue per session (a client's ``ServiceClient``); the executor takes one
-job from each session with work in turn (round-robin), so one user's long requests delay another's
-by at most one job each, and every session's own order is kept. No torch or DeepSpeed here: this is
-plain threading, testable on its own.
+Released jobs wait in one queue per session (a client's ``ServiceClient``), in order. The executor
+takes the next job from the session with work that has used the ranks least (fair queuing by time,
+round-robin among equals): a session that sends long requests (a batch of long completions) gets the
+same share of the ranks' time as one that sends short ones (training steps), not the same number of
+jobs, and a session that was idle does not bank credit (it starts level with the least-served busy
+one). No torch or DeepSpeed here: this is plain threading, testable on its own.
 """
 
 from __future__ import annotations
@@ -223,16 +225,24 @@ class QueuePosition:
 
 
 class Scheduler:
-    """Releases jobs to a single executor: ``seq_id`` order within a model, FIFO within a session, round-robin
-    across sessions."""
+    """Releases jobs to a single executor: ``seq_id`` order within a model, FIFO within a session, fair (by the
+    ranks' time used) across sessions."""
 
-    def __init__(self, futures: FutureStore) -> None:
+    def __init__(self, futures: FutureStore, clock: Callable[[], float] = time.monotonic) -> None:
         self.futures = futures
+        self._clock = clock  # what the ranks' time is measured with
         self._lock = threading.Condition()
         #: session -> its released jobs in order; the dict's order is the round-robin's (the next turn first).
         self._queues: collections.OrderedDict[str, collections.deque[Job]] = collections.OrderedDict()
         self._models: dict[str, _ModelSequence] = {}
         self._last_session: str | None = None
+        #: session -> seconds of the ranks' time its jobs have used (while it had work waiting, or debt).
+        self._used: dict[str, float] = {}
+        #: The used time of the session last served: where a session that starts waiting starts.
+        self._virtual = 0.0
+        #: The jobs the executor took last and when: charged to their sessions when it comes back for more.
+        self._running: list[Job] = []
+        self._running_since = 0.0
         self._stopped = False
 
     def open_model(self, model_id: str, first_seq: int = 1, session: str | None = None) -> bool:
@@ -264,6 +274,7 @@ class Scheduler:
         queue = self._queues.get(job.session)
         if queue is None:
             queue = self._queues[job.session] = collections.deque()
+            self._used[job.session] = max(self._used.get(job.session, 0.0), self._virtual)
         queue.append(job)
 
     def submit(self, kind: str, model_id: str, payload: Any = None, internal: bool = False,
@@ -312,11 +323,30 @@ class Scheduler:
             self._lock.notify_all()
             return future.request_id
 
+    def _charge(self) -> None:
+        """Charge the time since the executor took its last jobs (it has finished them) to their sessions."""
+        if not self._running:
+            return
+        share = (self._clock() - self._running_since) / len(self._running)
+        for job in self._running:
+            if job.session in self._used or job.session in self._queues:
+                self._used[job.session] = self._used.get(job.session, self._virtual) + share
+        self._running = []
+        for session in [s for s, used in self._used.items() if s not in self._queues and used <= self._virtual]:
+            del self._used[session]  # idle and without debt: it would start at the virtual time anyway
+
+    def _take(self, jobs: list[Job]) -> None:
+        self._running.extend(jobs)
+        if len(self._running) == len(jobs):
+            self._running_since = self._clock()
+
     def next_job(self, timeout: float) -> Job | None:
-        """The next job to execute: the first of the session whose turn it is (that session then takes the last
-        turn); None after ``timeout`` or once stopped."""
+        """The next job to execute: the first of the waiting session that has used the ranks least (the earliest
+        in round-robin order among equals; a session served goes to the end of that order); None after
+        ``timeout`` or once stopped."""
         deadline = time.monotonic() + timeout
         with self._lock:
+            self._charge()
             while not self._queues and not self._stopped:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
@@ -324,13 +354,16 @@ class Scheduler:
                 self._lock.wait(remaining)
             if self._stopped:
                 return None
-            session, queue = next(iter(self._queues.items()))
+            session = min(self._queues, key=lambda s: self._used.get(s, self._virtual))  # first of the least
+            queue = self._queues[session]
+            self._virtual = self._used.get(session, self._virtual)
             job = queue.popleft()
             if queue:
                 self._queues.move_to_end(session)
             else:
                 del self._queues[session]
             self._last_session = session
+            self._take([job])
         self.futures.mark_started([job.request_id])
         return job
 
@@ -353,6 +386,7 @@ class Scheduler:
                     self._queues.move_to_end(session)
                 if len(taken) >= limit:
                     break
+            self._take(taken)
         self.futures.mark_started([job.request_id for job in taken])
         return taken
 
@@ -362,6 +396,7 @@ class Scheduler:
         running finishes."""
         with self._lock:
             jobs = list(self._queues.pop(session, ()))
+            self._used.pop(session, None)
             closed = [model_id for model_id, sequence in self._models.items() if sequence.session == session]
             for model_id in closed:
                 jobs.extend(self._models.pop(model_id).waiting.values())
@@ -383,13 +418,16 @@ class Scheduler:
     def position(self, request_id: str) -> QueuePosition | None:
         """Where a request's job waits; None when it is not waiting (running, finished or unknown)."""
         with self._lock:
+            used = [self._used.get(s, self._virtual) for s in self._queues]
             order = list(self._queues.items())
             for turn, (session, queue) in enumerate(order):
                 for index, job in enumerate(queue):
                     if job.request_id != request_id:
                         continue
-                    # Sessions ahead in the round-robin run index + 1 jobs before it, those behind index jobs.
-                    others = [min(len(q), index + (1 if t < turn else 0)) for t, (_, q) in enumerate(order)
+                    # About: sessions that have used less (or as much, and are ahead in the round-robin) run
+                    # index + 1 jobs before it, the others index jobs (fair queuing by time evens the rest out).
+                    ahead = [used[t] < used[turn] or (used[t] == used[turn] and t < turn) for t in range(len(order))]
+                    others = [min(len(q), index + (1 if ahead[t] else 0)) for t, (_, q) in enumerate(order)
                               if t != turn]
                     return QueuePosition("queued", index, sum(others), sum(1 for n in others if n))
             for sequence in self._models.values():

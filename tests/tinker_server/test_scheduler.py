@@ -91,8 +91,9 @@ def test_stop_wakes_the_executor() -> None:
 
 
 def test_sessions_take_turns_and_keep_their_own_order() -> None:
-    """Round-robin across sessions: a session with a long queue delays another by one job, not by its queue."""
-    scheduler = Scheduler(FutureStore())
+    """Jobs of equal cost: round-robin across sessions; a session with a long queue delays another by one job, not
+    by its queue."""
+    scheduler = Scheduler(FutureStore(), clock=lambda: 0.0)
     scheduler.open_model("a:train:0", session="a")
     scheduler.open_model("b:train:0", session="b")
     for i in range(1, 6):
@@ -105,7 +106,7 @@ def test_sessions_take_turns_and_keep_their_own_order() -> None:
 
 def test_the_fifo_order_would_starve_the_second_session() -> None:
     """What the round-robin changes: before, b's request ran after all of a's queue."""
-    scheduler = Scheduler(FutureStore())
+    scheduler = Scheduler(FutureStore(), clock=lambda: 0.0)
     for i in range(4):
         scheduler.submit("sample", "a:sample:0", f"a{i}", session="a")
     scheduler.submit("forward_backward", "b:train:0", "b", session="b")
@@ -113,8 +114,44 @@ def test_the_fifo_order_would_starve_the_second_session() -> None:
     assert order.index("b") == 1, order
 
 
+def test_sessions_share_the_ranks_time_not_turns() -> None:
+    """A session whose jobs take 10 s (long sampling) against one whose jobs take 1 s (training steps): after each
+    long job the short session runs until it has used as much time; neither starves."""
+    now = [0.0]
+    cost = {"a": 10.0, "b": 1.0}
+    scheduler = Scheduler(FutureStore(), clock=lambda: now[0])
+    for i in range(3):
+        scheduler.submit("sample", "a:sample:0", f"a{i}", session="a")
+    for i in range(25):
+        scheduler.submit("forward_backward", "b:train:0", f"b{i}", session="b")
+    order = []
+    while (job := scheduler.next_job(timeout=0)) is not None:
+        order.append(job.payload)
+        now[0] += cost[job.session]
+    assert order[:12] == ["a0", *[f"b{i}" for i in range(10)], "a1"], order
+    assert order.index("a2") == 22, "a's third job after b has used as much time as a's first two"
+
+
+def test_an_idle_session_does_not_bank_time() -> None:
+    """A session that had no work while another ran starts level with it, not with a credit of the time it idled."""
+    now = [0.0]
+    scheduler = Scheduler(FutureStore(), clock=lambda: now[0])
+    for i in range(20):
+        scheduler.submit("forward_backward", "a:train:0", f"a{i}", session="a")
+    for _ in range(10):
+        scheduler.next_job(timeout=0)
+        now[0] += 1.0
+    for i in range(3):
+        scheduler.submit("forward_backward", "b:train:0", f"b{i}", session="b")
+    order = []
+    while (job := scheduler.next_job(timeout=0)) is not None:
+        order.append(job.payload)
+        now[0] += 1.0
+    assert order[:6] == ["b0", "a10", "b1", "a11", "b2", "a12"], order  # not b0, b1, b2 in a row
+
+
 def test_a_sampling_batch_takes_its_session_then_the_other_sessions_heads() -> None:
-    scheduler = Scheduler(FutureStore())
+    scheduler = Scheduler(FutureStore(), clock=lambda: 0.0)
     scheduler.submit("sample", "a:sample:0", "a1", session="a")
     scheduler.submit("forward_backward", "b:train:0", "b1", session="b")
     scheduler.submit("sample", "c:sample:0", "c1", session="c")
@@ -130,7 +167,7 @@ def test_a_sampling_batch_takes_its_session_then_the_other_sessions_heads() -> N
 
 def test_positions_and_depths_say_where_requests_wait() -> None:
     futures = FutureStore()
-    scheduler = Scheduler(futures)
+    scheduler = Scheduler(futures, clock=lambda: 0.0)
     scheduler.open_model("b:train:0", session="b")
     a = [scheduler.submit("sample", "a:sample:0", i, session="a") for i in range(3)]
     held = scheduler.submit_sequenced("b:train:0", 2, "optim_step")

@@ -23,7 +23,9 @@ pytestmark = pytest.mark.pr("zero-0-1")
 
 @pytest.fixture
 def api(tmp_path: Path) -> TinkerApi:
-    return TinkerApi(Scheduler(FutureStore()), ApiSettings(tmp_path, long_poll_s=0.05, session_timeout_s=120))
+    # A clock that stands still: every job costs the same, so the sessions take turns (fair queuing by time).
+    return TinkerApi(Scheduler(FutureStore(), clock=lambda: 0.0),
+                     ApiSettings(tmp_path, long_poll_s=0.05, session_timeout_s=120))
 
 
 def fwdbwd(api: TinkerApi, *args: object) -> tuple[int, dict]:
