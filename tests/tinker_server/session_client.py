@@ -20,7 +20,7 @@ def main() -> None:
     service = tinker.ServiceClient(base_url=base_url, api_key=api_key)
     data = [types.Datum(model_input=types.ModelInput.from_ints(list(range(1, 33))),
                         loss_fn_inputs={"target_tokens": list(range(2, 34))})]
-    clients = [service.create_lora_training_client("small-llama-byte", rank=rank) for _ in range(count)]
+    clients = [service.create_lora_training_client("small-llama-byte", rank=rank).result() for _ in range(count)]
     for client in clients:
         client.forward_backward(data, "cross_entropy").result(timeout=300)
         client.optim_step(types.AdamParams(learning_rate=1e-3)).result(timeout=300)

@@ -139,7 +139,7 @@ def test_two_clients_interleave_and_queue_state_tells_the_truth(service_server) 
     jobs (round-robin), not after its whole queue."""
     server = service_server
     service = tinker.ServiceClient(base_url=server.base_url, api_key=API_KEY)
-    trainer = service.create_lora_training_client(BASE, rank=8)
+    trainer = service.create_lora_training_client(BASE, rank=8).result()
     rng = np.random.default_rng(0)
     data = to_sdk(random_data(rng, 8))
     adam = types.AdamParams(learning_rate=1e-3)

@@ -1,0 +1,216 @@
+"""What the service costs and how it shares the ranks, measured on a tiny Qwen3 (docs/tinker-server/service.md).
+
+    python examples/tinker/service_bench.py overhead   # SDK step vs the same step in-process on the engine
+    python examples/tinker/service_bench.py threads    # step-time spread: 1 torch thread per rank vs torch's default
+    python examples/tinker/service_bench.py chunks     # datums per forward_backward request vs throughput
+    python examples/tinker/service_bench.py fairness   # a trainer's step latency alone and beside a sampler
+
+Each starts its own server(s) on CPU ranks (``deepspeed-tinker serve``, as a user would) and prints one JSON line
+per measurement. The step is what issue 34 measured: LoRA rank 8, 8 datums of 64 tokens, ``forward_backward`` +
+``optim_step``, both results awaited.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+API_KEY = "tml-bench"
+MODEL = "Qwen/Qwen3-8B"
+
+
+def summary(times: list[float]) -> dict[str, float]:
+    ordered = sorted(times)
+    pick = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))]  # noqa: E731
+    return {"n": len(times), "median_s": round(statistics.median(times), 4), "p10_s": round(pick(0.1), 4),
+            "p90_s": round(pick(0.9), 4), "min_s": round(ordered[0], 4), "max_s": round(ordered[-1], 4)}
+
+
+def tiny_qwen3(root: Path) -> Path:
+    from deepspeed_tinker.tiny_models import build_tiny_model
+
+    return build_tiny_model(root / "qwen3", "qwen3")
+
+
+def start(root: Path, name: str, model: Path, world_size: int, *extra: str):
+    from deepspeed_tinker.launch import ServerProcess
+
+    keys = root / "api-keys"
+    keys.write_text(API_KEY + "\n")
+    server = ServerProcess(world_size=world_size, zero_stage=1, checkpoint_dir=root / f"ckpt-{name}",
+                           extra_args=["--device", "cpu", "--base-model", f"{MODEL}={model}", "--api-keys-file",
+                                       str(keys), "--no-access-log", *extra], log_path=root / f"{name}.log")
+    server.start()
+    return server
+
+
+def batch(rng: np.random.Generator, datums: int, length: int = 64) -> list:
+    from tinker import types
+
+    out = []
+    for _ in range(datums):
+        tokens = rng.integers(0, 200, length + 1).tolist()
+        out.append(types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
+                               loss_fn_inputs={"target_tokens": tokens[1:]}))
+    return out
+
+
+def sdk_steps(base_url: str, steps: int, datums: int = 8, per_request: int | None = None,
+              warmup: int = 3) -> list[float]:
+    """Seconds per SDK step (``forward_backward`` of ``datums``, in requests of ``per_request``, + ``optim_step``)."""
+    import tinker
+    from tinker import types
+
+    service = tinker.ServiceClient(base_url=base_url, api_key=API_KEY)
+    training = service.create_lora_training_client(MODEL, rank=8).result()
+    rng = np.random.default_rng(0)
+    data = batch(rng, datums)
+    per_request = per_request or datums
+    adam = types.AdamParams(learning_rate=1e-4)
+    times = []
+    for i in range(warmup + steps):
+        started = time.perf_counter()
+        calls = [training.forward_backward(data[j:j + per_request], "cross_entropy")
+                 for j in range(0, datums, per_request)]
+        step = training.optim_step(adam)
+        for call in calls:
+            call.result()
+        step.result()
+        if i >= warmup:
+            times.append(time.perf_counter() - started)
+    service.close("success").result(timeout=30)
+    return times
+
+
+def in_process_steps(model: Path, steps: int, datums: int = 8, warmup: int = 3) -> list[float]:
+    """The same step on the engine in this process (one rank, one thread): what the service adds nothing to."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29500 + os.getpid() % 1000), RANK="0",
+                      WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_SIZE="1", DS_ACCELERATOR="cpu")
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    import deepspeed
+    from ds_harness.ranks import disable_cpu_shm_allreduce
+
+    from deepspeed_tinker.api import ModelRecord, _adam_params
+    from deepspeed_tinker.model import LoraSpec, register_local_model
+    from deepspeed_tinker.wire import Datum, FwdBwdRequest
+
+    disable_cpu_shm_allreduce()
+    deepspeed.init_distributed(dist_backend="gloo")
+    register_local_model(f"{MODEL}={model}")
+    from deepspeed_tinker.worker import Worker
+
+    worker = Worker(0, 1, 1)
+    worker.run("create", "m", ModelRecord("m", "s", MODEL, LoraSpec(rank=8, seed=0)))
+    rng = np.random.default_rng(0)
+    data = []
+    for _ in range(datums):
+        tokens = rng.integers(0, 200, 65)
+        data.append(Datum(tokens[:-1].astype(np.int64), tokens[1:].astype(np.int64), np.ones(64, np.float32)))
+    adam = _adam_params({"adam_params": {"learning_rate": 1e-4}})
+    times = []
+    for i in range(warmup + steps):
+        started = time.perf_counter()
+        worker.run("forward_backward", "m", FwdBwdRequest("m", i + 1, "cross_entropy", False, tuple(data)))
+        worker.run("optim_step", "m", adam)
+        if i >= warmup:
+            times.append(time.perf_counter() - started)
+    dist.destroy_process_group()
+    return times
+
+
+def overhead(root: Path, model: Path, steps: int) -> None:
+    for world_size in (1, 2):
+        server = start(root, f"overhead-w{world_size}", model, world_size, "--threads-per-rank", "1")
+        try:
+            print(json.dumps({"what": "sdk_step", "world_size": world_size, **summary(sdk_steps(server.base_url,
+                                                                                                  steps))}), flush=True)
+        finally:
+            server.stop()
+    print(json.dumps({"what": "in_process_step", "world_size": 1, **summary(in_process_steps(model, steps))}),
+          flush=True)
+
+
+def threads(root: Path, model: Path, steps: int) -> None:
+    for count in (1, os.cpu_count() or 2):  # torch's default: every core in every rank
+        server = start(root, f"threads-{count}", model, 2, "--threads-per-rank", str(count))
+        try:
+            print(json.dumps({"what": "sdk_step", "threads_per_rank": count,
+                              **summary(sdk_steps(server.base_url, steps))}), flush=True)
+        finally:
+            server.stop()
+
+
+def chunks(root: Path, model: Path, steps: int) -> None:
+    server = start(root, "chunks", model, 2, "--threads-per-rank", "1", "--max-chunk-datums", "1024")
+    try:
+        for per_request in (1, 4, 8, 16, 32, 64):
+            times = sdk_steps(server.base_url, steps, datums=64, per_request=per_request, warmup=1)
+            print(json.dumps({"what": "step_of_64_datums", "datums_per_request": per_request, **summary(times),
+                              "datums_per_s": round(64 / statistics.median(times), 1)}), flush=True)
+    finally:
+        server.stop()
+
+
+def fairness(root: Path, model: Path, steps: int) -> None:
+    import tinker
+    from tinker import types
+
+    server = start(root, "fairness", model, 2, "--threads-per-rank", "1")
+    try:
+        print(json.dumps({"what": "trainer_step_alone", **summary(sdk_steps(server.base_url, steps))}), flush=True)
+        stop = threading.Event()
+        sampled = [0]
+
+        def sampler() -> None:
+            service = tinker.ServiceClient(base_url=server.base_url, api_key=API_KEY)
+            client = service.create_sampling_client(base_model=MODEL)
+            prompt = types.ModelInput.from_ints(list(range(10, 30)))
+            while not stop.is_set():  # 16 long completions at a time, as an RL rollout would
+                futures = [client.sample(prompt, 1, types.SamplingParams(max_tokens=128, stop=[], seed=i))
+                           for i in range(16)]
+                for future in futures:
+                    sampled[0] += len(future.result().sequences[0].tokens)
+            service.close("success").result(timeout=30)
+
+        thread = threading.Thread(target=sampler, daemon=True)
+        thread.start()
+        time.sleep(5)
+        started, before = time.perf_counter(), sampled[0]
+        times = sdk_steps(server.base_url, steps)
+        rate = (sampled[0] - before) / (time.perf_counter() - started)
+        stop.set()
+        thread.join(timeout=300)
+        print(json.dumps({"what": "trainer_step_beside_sampler", **summary(times),
+                          "sampler_tokens_per_s": round(rate, 1)}), flush=True)
+    finally:
+        server.stop()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("what", choices=["overhead", "threads", "chunks", "fairness"])
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--dir", type=Path, default=None, help="scratch folder (default: a temporary one)")
+    args = parser.parse_args()
+    root = args.dir or Path(tempfile.mkdtemp(prefix="tinker-bench-"))
+    root.mkdir(parents=True, exist_ok=True)
+    model = tiny_qwen3(root)
+    {"overhead": overhead, "threads": threads, "chunks": chunks, "fairness": fairness}[args.what](root, model,
+                                                                                                    args.steps)
+
+
+if __name__ == "__main__":
+    main()
