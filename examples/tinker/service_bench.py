@@ -64,83 +64,104 @@ def batch(rng: np.random.Generator, datums: int, length: int = 64) -> list:
     return out
 
 
-def sdk_steps(base_url: str, steps: int, datums: int = 8, per_request: int | None = None,
-              warmup: int = 3) -> list[float]:
-    """Seconds per SDK step (``forward_backward`` of ``datums``, in requests of ``per_request``, + ``optim_step``)."""
-    import tinker
-    from tinker import types
+class SdkTrainer:
+    """A LoRA training client of a served model, stepping through the SDK."""
 
-    service = tinker.ServiceClient(base_url=base_url, api_key=API_KEY)
-    training = service.create_lora_training_client(MODEL, rank=8).result()
-    rng = np.random.default_rng(0)
-    data = batch(rng, datums)
-    per_request = per_request or datums
-    adam = types.AdamParams(learning_rate=1e-4)
-    times = []
-    for i in range(warmup + steps):
+    def __init__(self, base_url: str, datums: int = 8, per_request: int | None = None) -> None:
+        import tinker
+        from tinker import types
+
+        self.service = tinker.ServiceClient(base_url=base_url, api_key=API_KEY)
+        self.training = self.service.create_lora_training_client(MODEL, rank=8).result()
+        self.data = batch(np.random.default_rng(0), datums)
+        self.per_request = per_request or datums
+        self.adam = types.AdamParams(learning_rate=1e-4)
+
+    def step(self) -> float:
+        """Seconds for one step: ``forward_backward`` (in requests of ``per_request`` datums) + ``optim_step``."""
         started = time.perf_counter()
-        calls = [training.forward_backward(data[j:j + per_request], "cross_entropy")
-                 for j in range(0, datums, per_request)]
-        step = training.optim_step(adam)
+        calls = [self.training.forward_backward(self.data[j:j + self.per_request], "cross_entropy")
+                 for j in range(0, len(self.data), self.per_request)]
+        step = self.training.optim_step(self.adam)
         for call in calls:
             call.result()
         step.result()
-        if i >= warmup:
-            times.append(time.perf_counter() - started)
-    service.close("success").result(timeout=30)
+        return time.perf_counter() - started
+
+    def close(self) -> None:
+        self.service.close("success").result(timeout=30)
+
+
+def sdk_steps(base_url: str, steps: int, datums: int = 8, per_request: int | None = None,
+              warmup: int = 3) -> list[float]:
+    trainer = SdkTrainer(base_url, datums, per_request)
+    times = [trainer.step() for _ in range(warmup + steps)][warmup:]
+    trainer.close()
     return times
 
 
-def in_process_steps(model: Path, steps: int, datums: int = 8, warmup: int = 3) -> list[float]:
-    """The same step on the engine in this process (one rank, one thread): what the service adds nothing to."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29500 + os.getpid() % 1000), RANK="0",
-                      WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_SIZE="1", DS_ACCELERATOR="cpu")
-    import torch
-    import torch.distributed as dist
+class InProcessTrainer:
+    """The same step on the engine in this process (one rank, one thread): no HTTP, no futures, no broadcast."""
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    import deepspeed
-    from ds_harness.ranks import disable_cpu_shm_allreduce
+    def __init__(self, model: Path, datums: int = 8) -> None:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29500 + os.getpid() % 1000), RANK="0",
+                          WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_SIZE="1", DS_ACCELERATOR="cpu")
+        import torch
+        import torch.distributed as dist
 
-    from deepspeed_tinker.api import ModelRecord, _adam_params
-    from deepspeed_tinker.model import LoraSpec, register_local_model
-    from deepspeed_tinker.wire import Datum, FwdBwdRequest
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo")
+        import deepspeed
+        from ds_harness.ranks import disable_cpu_shm_allreduce
 
-    disable_cpu_shm_allreduce()
-    deepspeed.init_distributed(dist_backend="gloo")
-    register_local_model(f"{MODEL}={model}")
-    from deepspeed_tinker.worker import Worker
+        from deepspeed_tinker.api import ModelRecord, _adam_params
+        from deepspeed_tinker.model import LoraSpec, register_local_model
+        from deepspeed_tinker.wire import Datum, FwdBwdRequest
 
-    worker = Worker(0, 1, 1)
-    worker.run("create", "m", ModelRecord("m", "s", MODEL, LoraSpec(rank=8, seed=0)))
-    rng = np.random.default_rng(0)
-    data = []
-    for _ in range(datums):
-        tokens = rng.integers(0, 200, 65)
-        data.append(Datum(tokens[:-1].astype(np.int64), tokens[1:].astype(np.int64), np.ones(64, np.float32)))
-    adam = _adam_params({"adam_params": {"learning_rate": 1e-4}})
-    times = []
-    for i in range(warmup + steps):
+        disable_cpu_shm_allreduce()
+        deepspeed.init_distributed(dist_backend="gloo")
+        register_local_model(f"{MODEL}={model}")
+        from deepspeed_tinker.worker import Worker
+
+        self.worker = Worker(0, 1, 1)
+        self.worker.run("create", "m", ModelRecord("m", "s", MODEL, LoraSpec(rank=8, seed=0)))
+        rng = np.random.default_rng(0)
+        data = []
+        for _ in range(datums):
+            tokens = rng.integers(0, 200, 65)
+            data.append(Datum(tokens[:-1].astype(np.int64), tokens[1:].astype(np.int64), np.ones(64, np.float32)))
+        self.request = FwdBwdRequest("m", 1, "cross_entropy", False, tuple(data))
+        self.adam = _adam_params({"adam_params": {"learning_rate": 1e-4}})
+
+    def step(self) -> float:
         started = time.perf_counter()
-        worker.run("forward_backward", "m", FwdBwdRequest("m", i + 1, "cross_entropy", False, tuple(data)))
-        worker.run("optim_step", "m", adam)
-        if i >= warmup:
-            times.append(time.perf_counter() - started)
-    dist.destroy_process_group()
-    return times
+        self.worker.run("forward_backward", "m", self.request)
+        self.worker.run("optim_step", "m", self.adam)
+        return time.perf_counter() - started
 
 
 def overhead(root: Path, model: Path, steps: int) -> None:
-    for world_size in (1, 2):
-        server = start(root, f"overhead-w{world_size}", model, world_size, "--threads-per-rank", "1")
-        try:
-            print(json.dumps({"what": "sdk_step", "world_size": world_size, **summary(sdk_steps(server.base_url,
-                                                                                                  steps))}), flush=True)
-        finally:
-            server.stop()
-    print(json.dumps({"what": "in_process_step", "world_size": 1, **summary(in_process_steps(model, steps))}),
-          flush=True)
+    """One rank each, one thread each, the same model and step, measured alternately (step for step, so both see
+    the same load on a shared machine); then the SDK step on 2 ranks."""
+    server = start(root, "overhead-w1", model, 1, "--threads-per-rank", "1")
+    try:
+        sdk, local = SdkTrainer(server.base_url), InProcessTrainer(model)
+        for _ in range(3):
+            sdk.step(), local.step()
+        pairs = [(sdk.step(), local.step()) for _ in range(steps)]
+        sdk.close()
+    finally:
+        server.stop()
+    gaps = [a - b for a, b in pairs]
+    print(json.dumps({"what": "sdk_step", "world_size": 1, **summary([a for a, _ in pairs])}), flush=True)
+    print(json.dumps({"what": "in_process_step", "world_size": 1, **summary([b for _, b in pairs])}), flush=True)
+    print(json.dumps({"what": "gap_per_pair", **summary(gaps)}), flush=True)
+    server = start(root, "overhead-w2", model, 2, "--threads-per-rank", "1")
+    try:
+        print(json.dumps({"what": "sdk_step", "world_size": 2, **summary(sdk_steps(server.base_url, steps))}),
+              flush=True)
+    finally:
+        server.stop()
 
 
 def threads(root: Path, model: Path, steps: int) -> None:
@@ -176,7 +197,7 @@ def fairness(root: Path, model: Path, steps: int) -> None:
 
         def sampler() -> None:
             service = tinker.ServiceClient(base_url=server.base_url, api_key=API_KEY)
-            client = service.create_sampling_client(base_model=MODEL)
+            client = service.create_sampling_client(base_model=MODEL).result()
             prompt = types.ModelInput.from_ints(list(range(10, 30)))
             while not stop.is_set():  # 16 long completions at a time, as an RL rollout would
                 futures = [client.sample(prompt, 1, types.SamplingParams(max_tokens=128, stop=[], seed=i))

@@ -120,8 +120,8 @@ def queue_state(position: QueuePosition | None) -> tuple[str, str]:
     if position.state == "held":
         return "active", "waiting for an earlier request of the same model (seq_id order)"
     if position.others:
-        return "paused_capacity", (f"queued behind {position.others} request(s) of {position.sessions} other "
-                                   f"session(s) and {position.own} of its own (round-robin across sessions)")
+        return "paused_capacity", (f"queued behind about {position.others} request(s) of {position.sessions} "
+                                   f"other session(s) and {position.own} of its own (fair queuing across sessions)")
     if position.own:
         return "active", f"queued behind {position.own} earlier request(s) of its own session"
     return "active", "next to run"

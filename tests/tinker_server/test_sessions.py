@@ -92,7 +92,7 @@ def test_queue_state_says_when_other_sessions_are_ahead(api: TinkerApi) -> None:
     mine = fwdbwd(api, second, 1, [1, 2])[1]["request_id"]
     reply = result(api, mine)
     assert reply["type"] == "try_again" and reply["queue_state"] == "paused_capacity"
-    assert reply["queue_state_reason"].startswith("queued behind 1 request(s) of 1 other session(s)")
+    assert reply["queue_state_reason"].startswith("queued behind about 1 request(s) of 1 other session(s)")
     assert result(api, ids[0])["queue_state"] == "active"
     api.scheduler.next_job(timeout=0)
     assert result(api, ids[0]) == {"type": "try_again", "request_id": ids[0], "queue_state": "active",
