@@ -20,7 +20,6 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
@@ -229,8 +228,8 @@ def main() -> None:
     root = args.dir or Path(tempfile.mkdtemp(prefix="tinker-bench-"))
     root.mkdir(parents=True, exist_ok=True)
     model = tiny_qwen3(root)
-    {"overhead": overhead, "threads": threads, "chunks": chunks, "fairness": fairness}[args.what](root, model,
-                                                                                                    args.steps)
+    run = {"overhead": overhead, "threads": threads, "chunks": chunks, "fairness": fairness}[args.what]
+    run(root, model, args.steps)
 
 
 if __name__ == "__main__":
