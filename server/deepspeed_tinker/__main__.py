@@ -13,7 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .api import DEFAULT_SESSION_TIMEOUT_S
+from .api import DEFAULT_MAX_CHUNK_DATUMS, DEFAULT_SESSION_TIMEOUT_S
 from .http_app import DEFAULT_MAX_BODY_BYTES
 from .keys import KEYS_ENV, check_host, load_api_keys
 from .launch import ServerProcess, serve
@@ -47,8 +47,10 @@ def _server_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], default=1)
     parser.add_argument("--checkpoint-dir", type=Path, default=DEFAULT_CHECKPOINTS,
                         help="where save_weights writes (default: %(default)s)")
-    parser.add_argument("--max-chunk-datums", type=int, default=8,
-                        help="datums per forward_backward chunk the SDK is told to send")
+    parser.add_argument("--max-chunk-datums", type=_positive_int, default=DEFAULT_MAX_CHUNK_DATUMS,
+                        help="datums per forward_backward request the SDK is told to send at most (a larger call "
+                        "is split into chunks of this many; default: %(default)s, chosen by measurement, "
+                        "docs/tinker-server/service.md)")
     parser.add_argument("--no-compress", action="store_true", help="do not ask the SDK to zstd request bodies")
     parser.add_argument("--long-poll-s", type=float, default=10.0,
                         help="how long retrieve_future holds a pending request before answering try_again")
