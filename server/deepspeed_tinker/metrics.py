@@ -213,12 +213,16 @@ def engine_bytes(models: list[Any]) -> int:
         for parameter in engine.module.parameters():
             for tensor in (parameter.data, parameter.grad, getattr(parameter, "ds_tensor", None)):
                 add(tensor)
-        optimizers = [engine.optimizer, getattr(engine.optimizer, "optimizer", None)]
-        for optimizer in optimizers:
-            for state in getattr(optimizer, "state", {}).values() if optimizer is not None else ():
+        for optimizer in (engine.optimizer, getattr(engine.optimizer, "optimizer", None)):
+            try:  # ZeRO's optimizers expose state and groups as properties: take what each has
+                states = list(getattr(optimizer, "state", {}).values()) if optimizer is not None else []
+                groups = list(getattr(optimizer, "param_groups", ())) if optimizer is not None else []
+            except Exception:
+                continue
+            for state in states:
                 for value in state.values() if isinstance(state, dict) else ():
                     add(value)
-            for group in getattr(optimizer, "param_groups", ()) if optimizer is not None else ():
+            for group in groups:
                 for parameter in group.get("params", ()):
                     add(parameter)
                     add(getattr(parameter, "grad", None))
