@@ -20,6 +20,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -99,6 +100,51 @@ def sdk_steps(base_url: str, steps: int, datums: int = 8, per_request: int | Non
     return times
 
 
+class RawHttpTrainer:
+    """The same step over plain HTTP on one kept-alive connection (no SDK): the server's share of the overhead."""
+
+    def __init__(self, base_url: str, datums: int = 8) -> None:
+        import http.client
+        from urllib.parse import urlparse
+
+        from tinker import types
+        from tinker.proto.request_conv import forward_backward_request_to_proto
+
+        url = urlparse(base_url)
+        self.connection = http.client.HTTPConnection(url.hostname, url.port, timeout=60)
+        session = self.post("create_session", {})["session_id"]
+        created = self.post("create_model", {"session_id": session, "model_seq_id": 0, "base_model": MODEL,
+                                             "lora_config": {"rank": 8}})
+        self.model_id = created["model_id"]
+        self.wait(created["request_id"])
+        self.data = batch(np.random.default_rng(0), datums)
+        self.seq = 0
+        self.request = lambda seq: forward_backward_request_to_proto(types.ForwardBackwardRequest(
+            forward_backward_input=types.ForwardBackwardInput(data=self.data, loss_fn="cross_entropy"),
+            model_id=self.model_id, seq_id=seq)).SerializeToString()
+
+    def post(self, route: str, body: Any, content_type: str = "application/json") -> dict[str, Any]:
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        self.connection.request("POST", f"/api/v1/{route}", data, {"X-API-Key": API_KEY,
+                                                                   "Content-Type": content_type})
+        return json.loads(self.connection.getresponse().read())
+
+    def wait(self, request_id: str) -> dict[str, Any]:
+        while (reply := self.post("retrieve_future", {"request_id": request_id})).get("type") == "try_again":
+            pass
+        return reply
+
+    def step(self) -> float:
+        started = time.perf_counter()
+        self.seq += 2
+        forward_backward = self.post("forward_backward", self.request(self.seq - 1), "application/x-protobuf")
+        step = self.post("optim_step", {"model_id": self.model_id, "seq_id": self.seq,
+                                        "adam_params": {"learning_rate": 1e-4}})
+        self.wait(forward_backward["request_id"])
+        self.wait(step["request_id"])
+        return time.perf_counter() - started
+
+
 class InProcessTrainer:
     """The same step on the engine in this process (one rank, one thread): no HTTP, no futures, no broadcast."""
 
@@ -144,17 +190,17 @@ def overhead(root: Path, model: Path, steps: int) -> None:
     the same load on a shared machine); then the SDK step on 2 ranks."""
     server = start(root, "overhead-w1", model, 1, "--threads-per-rank", "1")
     try:
-        sdk, local = SdkTrainer(server.base_url), InProcessTrainer(model)
+        sdk, raw, local = SdkTrainer(server.base_url), RawHttpTrainer(server.base_url), InProcessTrainer(model)
         for _ in range(3):
-            sdk.step(), local.step()
-        pairs = [(sdk.step(), local.step()) for _ in range(steps)]
+            sdk.step(), raw.step(), local.step()
+        rounds = [(sdk.step(), raw.step(), local.step()) for _ in range(steps)]
         sdk.close()
     finally:
         server.stop()
-    gaps = [a - b for a, b in pairs]
-    print(json.dumps({"what": "sdk_step", "world_size": 1, **summary([a for a, _ in pairs])}), flush=True)
-    print(json.dumps({"what": "in_process_step", "world_size": 1, **summary([b for _, b in pairs])}), flush=True)
-    print(json.dumps({"what": "gap_per_pair", **summary(gaps)}), flush=True)
+    for index, what in enumerate(("sdk_step", "raw_http_step", "in_process_step")):
+        print(json.dumps({"what": what, "world_size": 1, **summary([r[index] for r in rounds])}), flush=True)
+    print(json.dumps({"what": "sdk_minus_in_process", **summary([r[0] - r[2] for r in rounds])}), flush=True)
+    print(json.dumps({"what": "raw_http_minus_in_process", **summary([r[1] - r[2] for r in rounds])}), flush=True)
     server = start(root, "overhead-w2", model, 2, "--threads-per-rank", "1")
     try:
         print(json.dumps({"what": "sdk_step", "world_size": 2, **summary(sdk_steps(server.base_url, steps))}),
