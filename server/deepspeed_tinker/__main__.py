@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from .api import DEFAULT_MAX_CHUNK_DATUMS, DEFAULT_SESSION_TIMEOUT_S
 from .http_app import DEFAULT_MAX_BODY_BYTES
 from .keys import KEYS_ENV, check_host, load_api_keys
 from .launch import ServerProcess, serve
@@ -48,8 +49,10 @@ def _server_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], default=1)
     parser.add_argument("--checkpoint-dir", type=Path, default=DEFAULT_CHECKPOINTS,
                         help="where save_weights writes (default: %(default)s)")
-    parser.add_argument("--max-chunk-datums", type=int, default=8,
-                        help="datums per forward_backward chunk the SDK is told to send")
+    parser.add_argument("--max-chunk-datums", type=_positive_int, default=DEFAULT_MAX_CHUNK_DATUMS,
+                        help="datums per forward_backward request the SDK is told to send at most (a larger call "
+                        "is split into chunks of this many; default: %(default)s, chosen by measurement, "
+                        "docs/tinker-server/service.md)")
     parser.add_argument("--no-compress", action="store_true", help="do not ask the SDK to zstd request bodies")
     parser.add_argument("--long-poll-s", type=float, default=10.0,
                         help="how long retrieve_future holds a pending request before answering try_again")
@@ -77,6 +80,10 @@ def _server_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads-per-rank", type=_positive_int, default=None, metavar="N",
                         help="torch intra-op threads per rank (default: $OMP_NUM_THREADS if set, else the cores this "
                         "process may use divided by the ranks on this node)")
+    parser.add_argument("--session-timeout-s", type=float, default=DEFAULT_SESSION_TIMEOUT_S, metavar="S",
+                        help="close a session (unload its models on every rank, fail its waiting requests) after S "
+                        "seconds without a heartbeat or request; the SDK heartbeats every 10 s; 0: never "
+                        "(default: %(default)s)")
     parser.add_argument("--api-keys-file", type=Path, default=None, metavar="FILE",
                         help=f"the API keys to accept, one per line (plus ${KEYS_ENV}, comma-separated); any other "
                         "key gets 401. Without keys: any 'tml-' key, loopback only")
@@ -115,6 +122,7 @@ def _rank_args(args: argparse.Namespace) -> list[str]:
             str(args.future_ttl_s)]
     if args.threads_per_rank is not None:
         out += ["--threads-per-rank", str(args.threads_per_rank)]
+    out += ["--session-timeout-s", str(args.session_timeout_s)]
     if args.api_keys_file is not None:
         out += ["--api-keys-file", str(args.api_keys_file.expanduser().resolve())]
     if args.no_access_log:
@@ -286,7 +294,8 @@ def main(argv: list[str] | None = None) -> int:
                                 keep_checkpoints=args.keep_checkpoints, max_body_bytes=args.max_body_bytes,
                                 access_log=not args.no_access_log, api_keys_file=args.api_keys_file,
                                 max_futures=args.max_futures, future_ttl_s=args.future_ttl_s,
-                                threads_per_rank=args.threads_per_rank))
+                                threads_per_rank=args.threads_per_rank,
+                                session_timeout_s=args.session_timeout_s))
     exit_rank(code)  # a rank that stopped cleanly skips interpreter teardown
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import json
+import logging
 import math
 import random
 import re
@@ -24,17 +25,27 @@ import numpy as np
 
 from .checkpoint_files import directory_size, parse_age_recipients
 from .checkpoint_store import CheckpointStore
+from .metrics import ServerMetrics
 from .model import BASE_MODELS, DEFAULT_LORA_RANK, BaseModelSpec, LoraSpec
 from .responses import Response, error_response, json_response
 from .rest_api import RunsApi, parse_ttl
 from .sampling import SampleResult, SnapshotRef, encode_sample_response, parse_sample, sample_response_json
-from .scheduler import FutureStore, FutureStoreFull, Scheduler
+from .scheduler import FutureStore, FutureStoreFull, QueuePosition, Scheduler
 from .stability import StabilityRecords, resolve_provenance
 from .wire import (PROTO_CONTENT_TYPE, PROVENANCE_LOSSES, FwdBwdRequest, FwdBwdResult, UserError, check_against_model,
                    encode_forward_backward_output, forward_backward_output_json, parse_forward_backward, parse_json,
                    validate_forward_backward)
 
+log = logging.getLogger("tinker_server")
+
 API = "/api/v1/"
+#: Default of ``--session-timeout-s``: a session without a heartbeat (the SDK sends one every 10 s) or any other
+#: request for this long is closed.
+DEFAULT_SESSION_TIMEOUT_S = 120.0
+#: Default of ``--max-chunk-datums``: on a tiny Qwen3 on 2 CPU ranks, 64 datums of 64 tokens per step ran at 102
+#: datums/s in requests of 8, 234 in requests of 32 and 240 in one of 64 (docs/tinker-server/service.md); 32 is
+#: within 3 % of the best at half its per-rank activation memory and job length.
+DEFAULT_MAX_CHUNK_DATUMS = 32
 CHECKPOINT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
@@ -57,8 +68,8 @@ class ModelRecord:
 @dataclass(frozen=True)
 class ApiSettings:
     checkpoint_root: Path
-    #: Datums per forward_backward chunk the SDK sends; small, so a modest call is split.
-    max_chunk_datums: int = 8
+    #: Datums per forward_backward request the SDK sends at most (``--max-chunk-datums``).
+    max_chunk_datums: int = DEFAULT_MAX_CHUNK_DATUMS
     #: Ask the SDK to zstd-compress forward_backward bodies (exercises that path).
     compress_fwdbwd: bool = True
     #: How long retrieve_future holds a pending request before answering try_again.
@@ -68,6 +79,8 @@ class ApiSettings:
     #: Keep only each training run's K newest training and K newest sampler checkpoints (``--keep-checkpoints``);
     #: None: keep every one (until its TTL, if any).
     keep_checkpoints: int | None = None
+    #: A session without a heartbeat or request for this long is closed (``--session-timeout-s``); 0: never.
+    session_timeout_s: float = DEFAULT_SESSION_TIMEOUT_S
 
 
 def parse_tinker_path(path: str, kinds: tuple[str, ...] = ("weights", )) -> tuple[str, str]:
@@ -103,6 +116,21 @@ class SamplingSession:
     snapshot: SnapshotRef
 
 
+def queue_state(position: QueuePosition | None) -> tuple[str, str]:
+    """``try_again``'s ``queue_state`` and ``queue_state_reason`` for a pending request: ``paused_capacity`` while
+    it waits for other sessions' work (the server is busy with other users), else ``active``."""
+    if position is None:
+        return "active", "running"
+    if position.state == "held":
+        return "active", "waiting for an earlier request of the same model (seq_id order)"
+    if position.others:
+        return "paused_capacity", (f"queued behind about {position.others} request(s) of {position.sessions} "
+                                   f"other session(s) and {position.own} of its own (fair queuing across sessions)")
+    if position.own:
+        return "active", f"queued behind {position.own} earlier request(s) of its own session"
+    return "active", "next to run"
+
+
 def _adam_params(body: dict[str, Any]) -> dict[str, float]:
     """The per-step Adam hyper-parameters, validated; other optimizer families are refused."""
     if "adam_params" not in body:
@@ -133,6 +161,8 @@ class TinkerApi:
         self.settings = settings
         self._lock = threading.Lock()
         self._sessions: dict[str, set[str]] = {}  # session_id -> model ids
+        self._seen: dict[str, float] = {}  # session_id -> its last heartbeat or request (time.monotonic)
+        self._closed: collections.OrderedDict[str, str] = collections.OrderedDict()  # session_id -> why closed
         self._models: dict[str, ModelRecord] = {}
         self._creates: dict[str, str] = {}  # model_id -> the future its creation reported
         self._replies: collections.OrderedDict[str, Response] = collections.OrderedDict()
@@ -144,11 +174,13 @@ class TinkerApi:
         self.runs = RunsApi(self.store)
         self._touched: dict[str, float] = {}  # model_id -> when its run's last_request_time was last written
         self._last_reap = 0.0
+        self.metrics = ServerMetrics(scheduler, self.sessions)
+        self.futures.on_finish = self.metrics.observe
         self._posts: dict[str, Callable[[dict[str, str], bytes], Response]] = {
             "client/config": self._client_config,
             "client/dynamic_config": lambda h, b: json_response({}),
             "create_session": self._create_session,
-            "session_heartbeat": lambda h, b: json_response({"type": "session_heartbeat"}),
+            "session_heartbeat": self._heartbeat,
             "telemetry": lambda h, b: json_response({"status": "accepted"}),
             "create_model": self._create_model,
             "get_info": self._get_info,
@@ -223,24 +255,99 @@ class TinkerApi:
         session_id = f"s{random.getrandbits(48):012x}"
         with self._lock:
             self._sessions[session_id] = set()
+            self._seen[session_id] = time.monotonic()
         return json_response({"type": "create_session", "session_id": session_id})
 
-    def finish_session(self, session_id: str) -> Response:
+    # ---------------------------------------------------------- session lifetime
+
+    def _heartbeat(self, headers: dict[str, str], body: bytes) -> Response:
+        """Keep a session alive; a closed or unknown one gets 410, on which the SDK stops its heartbeat loop."""
+        session_id = str(parse_json(body).get("session_id", ""))
+        if not self._touch_session(session_id):
+            return error_response(410, self._session_gone(session_id))
+        return json_response({"type": "session_heartbeat"})
+
+    def _touch_session(self, session_id: str) -> bool:
+        """Note that a session is in use (a heartbeat or any request of it); False if it is not open."""
+        with self._lock:
+            if session_id not in self._sessions:
+                return False
+            self._seen[session_id] = time.monotonic()
+            return True
+
+    def _session_gone(self, session_id: str) -> str:
+        """Why a session is not open: closed (and why), or unknown to this server."""
+        with self._lock:
+            reason = self._closed.get(session_id)
+        if reason is not None:
+            return f"session {session_id} was closed: {reason}; create a new ServiceClient"
+        return (f"unknown session {session_id!r} (closed, or from before a restart of this server); create a new "
+                "ServiceClient")
+
+    def _check_session(self, session_id: str) -> None:
+        """UserError unless ``session_id`` is open; marks it as in use."""
+        if not self._touch_session(session_id):
+            raise UserError(self._session_gone(session_id))
+
+    def expire_sessions(self, now: float | None = None) -> list[str]:
+        """Close the sessions without a heartbeat or request for ``session_timeout_s``: their models are unloaded on
+        every rank, their waiting requests fail with a user error naming the timeout, later requests on them too."""
+        timeout = self.settings.session_timeout_s
+        if timeout <= 0:
+            return []
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            expired = [(session_id, now - seen) for session_id, seen in self._seen.items() if now - seen > timeout]
+        for session_id, idle in expired:
+            self._close_session(session_id, f"no heartbeat for {idle:.0f} s, over this server's timeout of "
+                                f"{timeout:g} s (--session-timeout-s)")
+        return [session_id for session_id, _ in expired]
+
+    def _close_session(self, session_id: str, reason: str) -> int:
+        """Forget a session's models and sampling sessions, fail its waiting requests, unload its models on every
+        rank; the number of models unloaded."""
         with self._lock:
             model_ids = self._sessions.pop(session_id, set())
+            self._seen.pop(session_id, None)
+            self._closed[session_id] = reason
+            while len(self._closed) > 100_000:
+                self._closed.popitem(last=False)
+            for model_id in model_ids:
+                self._models.pop(model_id, None)
+                self._creates.pop(model_id, None)
+                self._touched.pop(model_id, None)
+            prefix = f"{session_id}:sample:"
+            for sampler_id in [s for s in self._samplers if s.startswith(prefix)]:
+                del self._samplers[sampler_id]
+        message = f"session {session_id} was closed: {reason}"
+        self.scheduler.drop_session(session_id, message)
+        for model_id in sorted(model_ids):  # internal: bookkeeping is never refused; in the session's turns
+            self.scheduler.submit("unload", model_id, internal=True, session=session_id)
+        log.warning("closed session %s (%s): %d model(s) unloaded", session_id, reason, len(model_ids))
+        return len(model_ids)
+
+    def finish_session(self, session_id: str) -> Response:
+        """The client is done with a session: its queued requests still run, then its models are unloaded."""
+        with self._lock:
+            model_ids = self._sessions.pop(session_id, set())
+            self._seen.pop(session_id, None)
+            self._closed[session_id] = "finished by its client"
             for model_id in model_ids:
                 self._models.pop(model_id, None)
                 self._creates.pop(model_id, None)
         for model_id in model_ids:
             self.scheduler.close_model(model_id)
-            self.scheduler.submit("unload", model_id, internal=True)
+            self.scheduler.submit("unload", model_id, internal=True, session=session_id)
         return json_response({})
+
+    def sessions(self) -> int:
+        """Open sessions."""
+        with self._lock:
+            return len(self._sessions)
 
     def _new_model(self, body: dict[str, Any], lora: LoraSpec | None, base_model: str) -> ModelRecord:
         session_id = str(body.get("session_id", ""))
-        with self._lock:
-            if session_id not in self._sessions:
-                raise UserError(f"unknown session {session_id!r}")
+        self._check_session(session_id)
         base_model = canonical_base_model(base_model)
         optimizer = (body.get("optimizer_config") or {}).get("type", "adamw")
         if optimizer != "adamw":
@@ -258,11 +365,14 @@ class TinkerApi:
         with self._lock:
             request_id = self._creates.get(record.model_id)
             if request_id is None:
+                if record.session_id not in self._sessions:  # closed since _new_model checked it
+                    raise UserError(f"session {record.session_id} was closed: "
+                                    f"{self._closed.get(record.session_id, 'unknown')}")
                 self.futures.check_room(len(jobs))
-                if not self.scheduler.open_model(record.model_id):
+                if not self.scheduler.open_model(record.model_id, session=record.session_id):
                     raise UserError(f"model {record.model_id} already exists")
                 self._models[record.model_id] = record
-                self._sessions.setdefault(record.session_id, set()).add(record.model_id)
+                self._sessions[record.session_id].add(record.model_id)
                 for kind, payload in jobs:  # room checked: internal, so none is refused half-way
                     request_id = self.scheduler.submit(kind, record.model_id, payload, internal=True)
                 self._creates[record.model_id] = request_id
@@ -299,9 +409,22 @@ class TinkerApi:
     def model(self, model_id: str) -> ModelRecord:
         with self._lock:
             record = self._models.get(model_id)
+            closed = self._closed.get(self._session_of(model_id))
         if record is None:
+            if closed is not None:
+                raise UserError(f"model {model_id} is gone: its session {self._session_of(model_id)} was closed: "
+                                f"{closed}")
             raise UserError(f"unknown model id {model_id!r}")
         return record
+
+    @staticmethod
+    def _session_of(model_or_sampler_id: str) -> str:
+        """The session a model id (``<session>:train:<n>``) or sampling session id (``<session>:sample:<n>``) is
+        of."""
+        for marker in (":train:", ":sample:"):
+            if marker in model_or_sampler_id:
+                return model_or_sampler_id.rsplit(marker, 1)[0]
+        return ""
 
     def tokenizer_id(self, base_model: str) -> str | None:
         """What the SDK's ``get_tokenizer`` loads offline: the model directory, or the byte tokenizer's."""
@@ -335,6 +458,7 @@ class TinkerApi:
             record = self.model(model_id)
         except UserError as e:
             return self._failed_future(str(e))
+        self._touch_session(record.session_id)
         if not isinstance(seq_id, int) or seq_id < 1:
             return self._failed_future(f"seq_id must be an integer >= 1, got {seq_id!r}")
         self._touch(model_id)
@@ -534,11 +658,13 @@ class TinkerApi:
         return self.store.prune(self.settings.keep_checkpoints, run_id)
 
     def reap_expired(self, every_s: float = 1.0) -> list[str]:
-        """Rank 0's job loop, between jobs (never during a save): delete expired checkpoints."""
+        """Rank 0's job loop, between jobs (never during a save): delete expired checkpoints, close the sessions
+        past their heartbeat timeout (``expire_sessions``)."""
         now = time.monotonic()
         if now - self._last_reap < every_s:
             return []
         self._last_reap = now
+        self.expire_sessions(now)
         return self.store.reap()
 
     def _register_sampler(self, session: SamplingSession) -> None:
@@ -575,9 +701,7 @@ class TinkerApi:
     def _create_sampling_session(self, headers: dict[str, str], body: bytes) -> Response:
         request = parse_json(body)
         session_id = str(request.get("session_id", ""))
-        with self._lock:
-            if session_id not in self._sessions:
-                raise UserError(f"unknown session {session_id!r}")
+        self._check_session(session_id)
         sampler_id = f"{session_id}:sample:{int(request.get('sampling_session_seq_id', 0))}"
         base_model, snapshot = self._snapshot_for(request.get("model_path"), request.get("base_model"))
         self._register_sampler(SamplingSession(sampler_id, base_model or str(request.get("base_model") or ""),
@@ -598,7 +722,14 @@ class TinkerApi:
                                                                                   and 0 < num <= 256 else 1)]
         try:
             if sampler_id is not None and sampler is None:
+                with self._lock:
+                    closed = self._closed.get(self._session_of(str(sampler_id)))
+                if closed is not None:
+                    raise UserError(f"sampling session {sampler_id} is gone: its session "
+                                    f"{self._session_of(str(sampler_id))} was closed: {closed}")
                 raise UserError(f"unknown sampling session {sampler_id!r}")
+            if sampler is not None:
+                self._touch_session(self._session_of(sampler.sampling_session_id))
             if sampler is not None:
                 base_model, snapshot = sampler.base_model, sampler.snapshot
             else:
@@ -613,7 +744,8 @@ class TinkerApi:
             if request.get("record_stability_info"):
                 if sampler is None:
                     raise UserError("record_stability_info needs a sampling session (its session owns the records)")
-            request_id = self.scheduler.submit("sample", str(sampler_id or base_model), job)
+            request_id = self.scheduler.submit("sample", str(sampler_id or base_model), job,
+                                               session=self._session_of(str(sampler_id)) if sampler_id else "")
             if request.get("record_stability_info"):
                 self.stability.record(self._sampler_session(str(sampler_id)), sequence_ids, request_id, job.prompt)
         except UserError as e:
@@ -646,8 +778,12 @@ class TinkerApi:
         future = await self.futures.wait_async(request_id, self.settings.long_poll_s)
         if future is None:
             return error_response(404, f"unknown request_id {request_id!r}")
+        if future.session:  # a client waiting for its results is alive, heartbeat or not
+            self._touch_session(future.session)
         if future.status == "pending":
-            return json_response({"type": "try_again", "request_id": request_id, "queue_state": "active"})
+            state, reason = queue_state(self.scheduler.position(request_id))
+            return json_response({"type": "try_again", "request_id": request_id, "queue_state": state,
+                                  "queue_state_reason": reason})
         if future.status == "error":
             return json_response({"error": future.error, "category": future.category})
         if isinstance(future.result, (SampleResult, FwdBwdResult)):  # encoding a large result: off the event loop

@@ -13,6 +13,9 @@ Why each piece:
   The other handlers are short and run on Starlette's thread pool.
 - ``BodyLimit`` refuses a body over ``max_body_bytes`` with 413 before reading more than that limit into memory.
 - uvicorn writes an access log line per request (``--no-access-log`` turns it off).
+- ``GET /metrics`` (``metrics.py``), outside ``/api/v1/``: with API keys it takes one of them, in ``X-API-Key`` or
+  as ``Authorization: Bearer`` (what Prometheus sends), because its labels name every open session, and a session
+  id is what addresses a user's models; without keys it is open, like the server, on loopback only.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from tinker import types
 
 from .api import API, TinkerApi
 from .download_urls import PREFIX as DOWNLOADS
+from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .responses import Response, error_response, json_response
 
 log = logging.getLogger("tinker_server")
@@ -237,6 +241,17 @@ def build_app(api: TinkerApi, settings: HttpSettings = HttpSettings()) -> FastAP
         return to_http(runs.urls(run_id, kind, name, request.headers.get("host", "127.0.0.1")))
 
     app.include_router(v1)
+
+    @app.get("/metrics")
+    def metrics(request: Request) -> HttpResponse:  # sync: reading the ranks' memory is a store round trip
+        if settings.api_keys:
+            key = request.headers.get("x-api-key", "")
+            scheme, _, token = request.headers.get("authorization", "").partition(" ")
+            if scheme.lower() == "bearer" and not key:
+                key = token.strip()
+            if not any(hmac.compare_digest(key.encode(), accepted.encode()) for accepted in settings.api_keys):
+                raise HTTPException(401, "an API key is required for /metrics (X-API-Key, or Authorization: Bearer)")
+        return HttpResponse(api.metrics.render(), 200, media_type=METRICS_CONTENT_TYPE)
 
     @app.get(DOWNLOADS + "{token}")  # signed URLs carry their own authorisation: no API key here
     def download(token: str) -> HttpResponse:

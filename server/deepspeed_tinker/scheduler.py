@@ -1,10 +1,16 @@
-"""Futures and the request scheduler: strict ``seq_id`` order per model, one executor.
+"""Futures and the request scheduler: strict ``seq_id`` order per model, round-robin across sessions, one executor.
 
 The SDK pipelines requests (a later one can arrive before an earlier result is fetched, and one
 large ``forward_backward`` is split into chunks sent in parallel, the first one last) and retries
-POSTs. So handlers only register work and return a future id at once; jobs are released to the
-executor strictly in each model's ``seq_id`` order, and a retried ``seq_id`` maps to the future
-it already has. No torch or DeepSpeed here: this is plain threading, testable on its own.
+POSTs. So handlers only register work and return a future id at once; jobs are released strictly
+in each model's ``seq_id`` order, and a retried ``seq_id`` maps to the future it already has.
+
+Released jobs wait in one queue per session (a client's ``ServiceClient``), in order. The executor
+takes the next job from the session with work that has used the ranks least (fair queuing by time,
+round-robin among equals): a session that sends long requests (a batch of long completions) gets the
+same share of the ranks' time as one that sends short ones (training steps), not the same number of
+jobs, and a session that was idle does not bank credit (it starts level with the least-served busy
+one). No torch or DeepSpeed here: this is plain threading, testable on its own.
 """
 
 from __future__ import annotations
@@ -13,9 +19,12 @@ import asyncio
 import collections
 import itertools
 import threading
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
+
+log = logging.getLogger("tinker_server")
 
 
 @dataclass
@@ -27,6 +36,14 @@ class Future:
     result: Any = None
     error: str = ""
     category: str = ""  # user | server
+    #: What the request is (the job kind), whose (session, model) and when it was accepted, started and finished
+    #: (``time.monotonic``): for the metrics and the step log.
+    kind: str = ""
+    session: str = ""
+    model_id: str = ""
+    created: float = 0.0
+    started: float | None = None
+    finished: float | None = None
 
 
 class FutureStoreFull(Exception):
@@ -61,6 +78,8 @@ class FutureStore:
         #: request_id -> the events of the coroutines waiting on it, each with its loop.
         self._async_waiters: dict[str, list[tuple[asyncio.AbstractEventLoop, asyncio.Event]]] = {}
         self._ids = itertools.count(1)
+        #: Called with each future once it has finished (outside the store's lock): the server's metrics.
+        self.on_finish: Callable[[Future], None] | None = None
 
     def create(self, internal: bool = False) -> Future:
         """A new pending future; FutureStoreFull if the store is full (``internal``: the server's own bookkeeping
@@ -73,12 +92,28 @@ class FutureStore:
                     f"the server is full: it holds {pending} unfinished requests and {len(self._finished)} results "
                     f"kept for {self.finished_ttl_s:g} s after they finish, its limit of {self.max_futures} "
                     "(--max-futures); retry once requests finish")
-            future = Future(f"req-{next(self._ids)}")
+            future = Future(f"req-{next(self._ids)}", created=time.monotonic())
             self._futures[future.request_id] = future
             if self._failed_with is not None:  # born failed: see fail_all
                 future.status, (future.error, future.category) = "error", self._failed_with
                 self._finished[future.request_id] = self._clock()
             return future
+
+    def describe(self, request_id: str, kind: str, session: str, model_id: str) -> None:
+        """Say what a pending future is for (the scheduler does, as it queues its job)."""
+        with self._cond:
+            future = self._futures.get(request_id)
+            if future is not None:
+                future.kind, future.session, future.model_id = kind, session, model_id
+
+    def mark_started(self, request_ids: list[str]) -> None:
+        """The executor took these requests' jobs."""
+        now = time.monotonic()
+        with self._cond:
+            for request_id in request_ids:
+                future = self._futures.get(request_id)
+                if future is not None and future.started is None:
+                    future.started = now
 
     def check_room(self, count: int) -> None:
         """FutureStoreFull unless ``count`` more futures fit now."""
@@ -126,10 +161,16 @@ class FutureStore:
                 return
             for name, value in fields.items():
                 setattr(future, name, value)
+            future.finished = time.monotonic()
             self._finished[request_id] = self._clock()
             self._cond.notify_all()
             for loop, event in self._async_waiters.pop(request_id, ()):
                 loop.call_soon_threadsafe(event.set)
+        if self.on_finish is not None:
+            try:
+                self.on_finish(future)
+            except Exception:  # metrics must never fail a request
+                log.exception("recording the metrics of %s failed", request_id)
 
     def wait(self, request_id: str, timeout: float) -> Future | None:
         """The future once finished, or still pending after ``timeout``; None if unknown."""
@@ -174,31 +215,59 @@ class Job:
     kind: str
     model_id: str
     payload: Any = None
+    #: The session whose turn this job takes (``Scheduler``'s round-robin).
+    session: str = ""
 
 
 @dataclass
 class _ModelSequence:
     next_seq: int
+    session: str = ""
     waiting: dict[int, Job] = field(default_factory=dict)
     seen: dict[int, str] = field(default_factory=dict)  # seq_id -> request_id, for retries
 
 
-class Scheduler:
-    """Releases jobs to a single executor: FIFO across models, ``seq_id`` order within one."""
+@dataclass(frozen=True)
+class QueuePosition:
+    """Where a pending request is: ``held`` (behind an earlier ``seq_id`` of its model that has not arrived or
+    not run), or ``queued`` with ``own`` earlier jobs of its session and about ``others`` jobs of ``sessions``
+    other sessions to run before it."""
 
-    def __init__(self, futures: FutureStore) -> None:
+    state: str
+    own: int = 0
+    others: int = 0
+    sessions: int = 0
+
+
+class Scheduler:
+    """Releases jobs to a single executor: ``seq_id`` order within a model, FIFO within a session, fair (by the
+    ranks' time used) across sessions."""
+
+    def __init__(self, futures: FutureStore, clock: Callable[[], float] = time.monotonic) -> None:
         self.futures = futures
+        self._clock = clock  # what the ranks' time is measured with
         self._lock = threading.Condition()
-        self._ready: collections.deque[Job] = collections.deque()
+        #: session -> its released jobs in order; the dict's order is the round-robin's (the next turn first).
+        self._queues: collections.OrderedDict[str, collections.deque[Job]] = collections.OrderedDict()
         self._models: dict[str, _ModelSequence] = {}
+        self._last_session: str | None = None
+        #: session -> seconds of the ranks' time its jobs have used (while it had work waiting, or debt).
+        self._used: dict[str, float] = {}
+        #: The used time of the session last served: where a session that starts waiting starts.
+        self._virtual = 0.0
+        #: The jobs the executor took last and when: charged to their sessions when it comes back for more.
+        self._running: list[Job] = []
+        self._running_since = 0.0
         self._stopped = False
 
-    def open_model(self, model_id: str, first_seq: int = 1) -> bool:
-        """Start ordering a model's requests; False if it is already open."""
+    def open_model(self, model_id: str, first_seq: int = 1, session: str | None = None) -> bool:
+        """Start ordering a model's requests (in ``session``'s turns; default: a session of its own); False if it is
+        already open."""
         with self._lock:
             if model_id in self._models:
                 return False
-            self._models[model_id] = _ModelSequence(next_seq=first_seq)
+            self._models[model_id] = _ModelSequence(next_seq=first_seq,
+                                                    session=model_id if session is None else session)
             return True
 
     def close_model(self, model_id: str) -> None:
@@ -209,12 +278,30 @@ class Scheduler:
         with self._lock:
             return model_id in self._models
 
-    def submit(self, kind: str, model_id: str, payload: Any = None, internal: bool = False) -> str:
-        """Queue a job that is not part of a model's sequence (model creation, unloading); FutureStoreFull (nothing
-        queued) when the future store is full, unless ``internal``."""
+    def _session_of(self, model_id: str, session: str | None) -> str:
+        if session is not None:
+            return session
+        sequence = self._models.get(model_id)
+        return sequence.session if sequence is not None else model_id
+
+    def _release(self, job: Job) -> None:
+        """Put a job at the end of its session's queue (a session new to the round-robin takes the last turn)."""
+        queue = self._queues.get(job.session)
+        if queue is None:
+            queue = self._queues[job.session] = collections.deque()
+            self._used[job.session] = max(self._used.get(job.session, 0.0), self._virtual)
+        queue.append(job)
+
+    def submit(self, kind: str, model_id: str, payload: Any = None, internal: bool = False,
+               session: str | None = None) -> str:
+        """Queue a job that is not part of a model's sequence (model creation, unloading, sampling) in ``session``'s
+        turns (default: its model's session); FutureStoreFull (nothing queued) when the future store is full,
+        unless ``internal``."""
         future = self.futures.create(internal)
         with self._lock:
-            self._ready.append(Job(future.request_id, kind, model_id, payload))
+            session = self._session_of(model_id, session)
+            self.futures.describe(future.request_id, kind, session, model_id)
+            self._release(Job(future.request_id, kind, model_id, payload, session))
             self._lock.notify_all()
         return future.request_id
 
@@ -235,42 +322,133 @@ class Scheduler:
             if seq_id < sequence.next_seq:
                 raise ValueError(f"seq_id {seq_id} of model {model_id} already ran (next is {sequence.next_seq})")
             future = self.futures.create()
+            self.futures.describe(future.request_id, kind, sequence.session, model_id)
             sequence.seen[seq_id] = future.request_id
             if rejection is not None:
                 self.futures.fail(future.request_id, rejection, "user")
-                job = Job(future.request_id, "noop", model_id)
+                job = Job(future.request_id, "noop", model_id, session=sequence.session)
             else:
-                job = Job(future.request_id, kind, model_id, payload)
+                job = Job(future.request_id, kind, model_id, payload, sequence.session)
             sequence.waiting[seq_id] = job
             while sequence.next_seq in sequence.waiting:
                 ready = sequence.waiting.pop(sequence.next_seq)
                 sequence.next_seq += 1
                 if ready.kind != "noop":
-                    self._ready.append(ready)
+                    self._release(ready)
             self._lock.notify_all()
             return future.request_id
 
+    def _charge(self) -> None:
+        """Charge the time since the executor took its last jobs (it has finished them) to their sessions."""
+        if not self._running:
+            return
+        share = (self._clock() - self._running_since) / len(self._running)
+        for job in self._running:
+            if job.session in self._used or job.session in self._queues:
+                self._used[job.session] = self._used.get(job.session, self._virtual) + share
+        self._running = []
+        for session in [s for s, used in self._used.items() if s not in self._queues and used <= self._virtual]:
+            del self._used[session]  # idle and without debt: it would start at the virtual time anyway
+
+    def _take(self, jobs: list[Job]) -> None:
+        self._running.extend(jobs)
+        if len(self._running) == len(jobs):
+            self._running_since = self._clock()
+
     def next_job(self, timeout: float) -> Job | None:
-        """The next job to execute, or None after ``timeout`` or once stopped."""
+        """The next job to execute: the first of the waiting session that has used the ranks least (the earliest
+        in round-robin order among equals; a session served goes to the end of that order); None after
+        ``timeout`` or once stopped."""
         deadline = time.monotonic() + timeout
         with self._lock:
-            while not self._ready and not self._stopped:
+            self._charge()
+            while not self._queues and not self._stopped:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return None
                 self._lock.wait(remaining)
             if self._stopped:
                 return None
-            return self._ready.popleft()
+            session = min(self._queues, key=lambda s: self._used.get(s, self._virtual))  # first of the least
+            queue = self._queues[session]
+            self._virtual = self._used.get(session, self._virtual)
+            job = queue.popleft()
+            if queue:
+                self._queues.move_to_end(session)
+            else:
+                del self._queues[session]
+            self._last_session = session
+            self._take([job])
+        self.futures.mark_started([job.request_id])
+        return job
 
     def take_consecutive(self, kind: str, limit: int) -> list[Job]:
-        """Up to ``limit`` more jobs of ``kind`` from the head of the queue, without waiting (the jobs that
-        follow the one just taken, e.g. concurrent sampling requests to run as one batch); order is kept."""
+        """Up to ``limit`` more jobs of ``kind`` to run with the one just taken (e.g. concurrent sampling requests as
+        one batch), without waiting: first those that follow it in its session, then the first ones of the other
+        sessions in round-robin order (those sessions have had their turn then). Each session's order is kept."""
         taken: list[Job] = []
         with self._lock:
-            while self._ready and self._ready[0].kind == kind and len(taken) < limit:
-                taken.append(self._ready.popleft())
+            first = [self._last_session] if self._last_session in self._queues else []
+            for session in first + [s for s in list(self._queues) if s != self._last_session]:
+                queue = self._queues[session]
+                served = False
+                while queue and queue[0].kind == kind and len(taken) < limit:
+                    taken.append(queue.popleft())
+                    served = True
+                if not queue:
+                    del self._queues[session]
+                elif served and session != self._last_session:
+                    self._queues.move_to_end(session)
+                if len(taken) >= limit:
+                    break
+            self._take(taken)
+        self.futures.mark_started([job.request_id for job in taken])
         return taken
+
+    def drop_session(self, session: str, message: str) -> list[str]:
+        """Close every model of ``session`` and fail every job of it not yet taken by the executor (released or
+        held back behind a ``seq_id``) with ``message`` as a user error; the model ids closed. A job already
+        running finishes."""
+        with self._lock:
+            jobs = list(self._queues.pop(session, ()))
+            self._used.pop(session, None)
+            closed = [model_id for model_id, sequence in self._models.items() if sequence.session == session]
+            for model_id in closed:
+                jobs.extend(self._models.pop(model_id).waiting.values())
+        for job in jobs:
+            if job.kind != "noop":
+                self.futures.fail(job.request_id, message, "user")
+        return closed
+
+    def depths(self) -> dict[str, int]:
+        """Jobs waiting per session: released and not yet taken, plus those held back behind a ``seq_id``."""
+        with self._lock:
+            depths = {session: len(queue) for session, queue in self._queues.items()}
+            for sequence in self._models.values():
+                held = sum(1 for job in sequence.waiting.values() if job.kind != "noop")
+                if held:
+                    depths[sequence.session] = depths.get(sequence.session, 0) + held
+            return depths
+
+    def position(self, request_id: str) -> QueuePosition | None:
+        """Where a request's job waits; None when it is not waiting (running, finished or unknown)."""
+        with self._lock:
+            used = [self._used.get(s, self._virtual) for s in self._queues]
+            order = list(self._queues.items())
+            for turn, (session, queue) in enumerate(order):
+                for index, job in enumerate(queue):
+                    if job.request_id != request_id:
+                        continue
+                    # About: sessions that have used less (or as much, and are ahead in the round-robin) run
+                    # index + 1 jobs before it, the others index jobs (fair queuing by time evens the rest out).
+                    ahead = [used[t] < used[turn] or (used[t] == used[turn] and t < turn) for t in range(len(order))]
+                    others = [min(len(q), index + (1 if ahead[t] else 0)) for t, (_, q) in enumerate(order)
+                              if t != turn]
+                    return QueuePosition("queued", index, sum(others), sum(1 for n in others if n))
+            for sequence in self._models.values():
+                if any(job.request_id == request_id for job in sequence.waiting.values()):
+                    return QueuePosition("held")
+        return None
 
     def stop(self) -> None:
         with self._lock:

@@ -28,12 +28,13 @@ import torch
 import torch.distributed as dist
 
 from ds_harness.ranks import disable_cpu_shm_allreduce
-from .api import ApiSettings, TinkerApi
+from .api import DEFAULT_SESSION_TIMEOUT_S, ApiSettings, TinkerApi
 from .byte_tokenizer import write_byte_tokenizer
 from .faults import (DEFAULT_DRAIN_S, DEFAULT_PEER_TIMEOUT_S, EXIT_RANK_FAILED, HEARTBEAT_S, FaultDrain, PeerWatch,
                      heartbeat)
 from .http_app import DEFAULT_MAX_BODY_BYTES, HttpServer, HttpSettings, build_app
 from .keys import check_host, load_api_keys, startup_line
+from .metrics import start_memory_reporter
 from .model import register_local_model
 from .sampler import DEFAULT_SNAPSHOT_BYTES, MAX_SNAPSHOTS
 from .scheduler import DEFAULT_FUTURE_TTL_S, DEFAULT_MAX_FUTURES, FutureStore, Job, Scheduler
@@ -86,6 +87,8 @@ class RankOptions:
     future_ttl_s: float = DEFAULT_FUTURE_TTL_S
     #: torch intra-op threads per rank (``--threads-per-rank``); None: the rank's share of the cores (``threads``).
     threads_per_rank: int | None = None
+    #: A session without a heartbeat or request for this long is closed (``--session-timeout-s``; 0: never).
+    session_timeout_s: float = DEFAULT_SESSION_TIMEOUT_S
 
 
 def versions_line() -> str:
@@ -197,7 +200,8 @@ def _drive(worker: Worker, options: RankOptions, watch: PeerWatch | None) -> Non
     tokenizer_dir = write_byte_tokenizer(options.checkpoint_root / "tokenizers" / "byte-level")
     api = TinkerApi(scheduler, ApiSettings(options.checkpoint_root, options.max_chunk_datums, options.compress_fwdbwd,
                                            options.long_poll_s, tokenizer_dir.resolve(),
-                                           keep_checkpoints=options.keep_checkpoints))
+                                           keep_checkpoints=options.keep_checkpoints,
+                                           session_timeout_s=options.session_timeout_s))
     keys = load_api_keys(options.api_keys_file)
     check_host(options.host, keys)
     http_settings = HttpSettings(max_body_bytes=options.max_body_bytes, access_log=options.access_log, api_keys=keys)
@@ -330,6 +334,7 @@ def run_rank(options: RankOptions) -> int:
                                                                    options.sampler_snapshot_bytes)
     worker = Worker(rank, world, options.zero_stage, device, dtype=options.dtype, snapshots=limits,
                     gradient_checkpointing=options.gradient_checkpointing)
+    start_memory_reporter(worker)  # for rank 0's /metrics
     try:
         if worker.rank == 0:
             _drive(worker, options, watch)

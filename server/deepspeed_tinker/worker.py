@@ -23,6 +23,7 @@ import torch
 
 from .checkpoint_files import copy_tokenizer, encrypt_files, fsync_path, fsync_tree, write_weights
 from .losses import LossInputs, elementwise_loss
+from .metrics import release_free_memory
 from .model import (BASE_MODELS, DTYPES, build_base, build_model, enable_gradient_checkpointing, token_logprobs,
                     zero3_construction)
 from .sampler import SAMPLER_META_FILE, SamplerPool, capture_weights, merge_samples
@@ -177,10 +178,15 @@ class Worker:
                                                        for j in payload], self.rank == 0)
         if kind == "unload":
             gone = self.models.pop(model_id, None)
+            if gone is not None:
+                # Removes the optimizer's gradient hooks (held by autograd, out of the garbage collector's sight),
+                # which otherwise keep the engine and all its tensors alive.
+                gone.engine.destroy()
             if gone is not None and not any(m.base_model == gone.base_model and m.lora is not None
                                             for m in self.models.values()):
                 self.bases.pop(gone.base_model, None)  # its last LoRA client is gone
             gc.collect()
+            release_free_memory()
             return {}
         if model_id not in self.models:
             raise RuntimeError(f"model {model_id} is not loaded on rank {self.rank}")

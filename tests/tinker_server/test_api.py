@@ -71,7 +71,10 @@ def test_client_config_and_optional_endpoints(api: TinkerApi) -> None:
     config = post(api, "client/config", {"sdk_version": "0.38.0"})[1]
     assert config["use_pyqwest_transport"] is False and config["pjwt_auth_enabled"] is False
     assert post(api, "telemetry", {"events": []}) == (200, {"status": "accepted"})
-    assert post(api, "session_heartbeat", {"session_id": "s"})[0] == 200
+    session = post(api, "create_session", {})[1]["session_id"]
+    assert post(api, "session_heartbeat", {"session_id": session})[0] == 200
+    status, body = post(api, "session_heartbeat", {"session_id": "s"})
+    assert status == 410 and "unknown session 's'" in body["error"], "the SDK stops heartbeating on 410"
     assert post(api, "no_such_thing", {})[0] == 404
 
 
