@@ -160,6 +160,10 @@ def build_app(api: TinkerApi, settings: HttpSettings = HttpSettings()) -> FastAP
 
     @v1.get("/healthz")
     async def healthz() -> HttpResponse:
+        # A server draining after a fault (see faults) is not healthy: a load balancer or supervisor sees 503.
+        fault = api.futures.failed_with
+        if fault is not None:
+            return to_http(json_response({"status": "failed", "error": fault}, status=503))
         return to_http(json_response({"status": "ok"}))
 
     @v1.get("/get_server_capabilities")

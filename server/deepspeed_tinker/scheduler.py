@@ -94,10 +94,16 @@ class FutureStore:
                     "(--max-futures); retry once requests finish")
             future = Future(f"req-{next(self._ids)}", created=time.monotonic())
             self._futures[future.request_id] = future
-            if self._failed_with is not None:  # born failed: see fail_all
-                future.status, (future.error, future.category) = "error", self._failed_with
-                self._finished[future.request_id] = self._clock()
-            return future
+            failed_with = self._failed_with
+        if failed_with is not None:  # born failed: see fail_all
+            self.fail(future.request_id, *failed_with)
+        return future
+
+    @property
+    def failed_with(self) -> str | None:
+        """The error every request gets since ``fail_all`` (the server is draining after a fault), or None."""
+        with self._cond:
+            return None if self._failed_with is None else self._failed_with[0]
 
     def describe(self, request_id: str, kind: str, session: str, model_id: str) -> None:
         """Say what a pending future is for (the scheduler does, as it queues its job)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import httpx
 import numpy as np
 import psutil
 import pytest
@@ -65,6 +66,9 @@ def test_a_rank_killed_while_idle_makes_the_next_call_raise(tmp_path: Path) -> N
         print(f"the next call raised {time.monotonic() - killed:.2f} s after the kill")
         assert time.monotonic() - killed < RAISE_WITHIN_S
         assert_server_error(failed, 1)
+        # A load balancer or supervisor sees the fault too.
+        health = httpx.get(f"{server.base_url}/api/v1/healthz", headers={"X-API-Key": API_KEY}, timeout=30)
+        assert health.status_code == 503 and "rank 1" in health.json()["error"], health.text
         # A new client in the drain window: answered (no connection error to retry), and its work fails the same way.
         other = tinker.ServiceClient(base_url=server.base_url, api_key=API_KEY)
         with pytest.raises(tinker.RequestFailedError) as failed:
