@@ -5,7 +5,9 @@
     python -m ds_bench render         # re-render benchmarks/results/benchmarks.md from its JSON
     python -m ds_bench factor         # re-measure only the gradient_divide_factor table into the JSON
     python -m ds_bench list           # the configurations
-    python -m ds_bench fixcost        # the cost of the bug-fix PRs in managed mode: results/benchmarks-fixcost.md
+    python -m ds_bench fixcost        # the bug-fix PRs' cost in managed mode: results/benchmarks-fixcost-<base>.md
+    python -m ds_bench tinker-memory  # the Tinker server's memory per rank (docs/tinker-server/deployment.md)
+    python -m ds_bench tinker-sampling  # the Tinker server's sampling throughput (docs/tinker-server/internals.md)
 
 The pages and their hand-written analyses are committed in ``benchmarks/results/``; a run's JSON (every round and
 rank) is written beside its page and not committed, except ``*-summary.json``, what another page shows of it.
@@ -21,7 +23,7 @@ import shlex
 import sys
 import time
 from pathlib import Path
-from typing import Optional
+
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = Path(__file__).resolve().parents[1] / "results"
@@ -32,14 +34,11 @@ QUICK_JSON = ROOT / "scratch" / "benchmarks-quick.json"
 #: The 0.19.8 build's page, which results/benchmarks.md summarizes beside its own (``run`` in the 0.19.8 virtualenv),
 #: from the committed summary of its JSON.
 DOCS_0198_MD = RESULTS / "benchmarks-0.19.8.md"
-FIXCOST_MD = RESULTS / "benchmarks-fixcost.md"
-QUICK_FIXCOST_MD = ROOT / "scratch" / "benchmarks-fixcost-quick.md"
 
 
 def fixcost_md(base: str, quick: bool = False) -> Path:
-    """``fixcost``'s page for ``base`` (0.19.3's keeps its first name; 0.19.8's is benchmarks-fixcost-0.19.8.md)."""
-    page = QUICK_FIXCOST_MD if quick else FIXCOST_MD
-    return page.with_name(f"{page.stem}-{base}.md")
+    """``fixcost``'s page for ``base``: results/benchmarks-fixcost-<base>.md (quick: under scratch/)."""
+    return (ROOT / "scratch" if quick else RESULTS) / f"benchmarks-fixcost{'-quick' if quick else ''}-{base}.md"
 
 
 def _log(message: str) -> None:
@@ -287,7 +286,19 @@ def cmd_list(args) -> int:
     return 0
 
 
+#: The Tinker server's own measurements, each with its own arguments: ``python -m ds_bench <name> ...``.
+TINKER_TOOLS = {
+    "tinker-memory": "the Tinker server's peak memory per rank",
+    "tinker-sampling": "the Tinker server's sampling throughput",
+}
+
+
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in TINKER_TOOLS:
+        import importlib
+        importlib.import_module(f"ds_bench.{argv[0].replace('-', '_')}").main(argv[1:])
+        return 0
     parser = argparse.ArgumentParser(prog="python -m ds_bench", description="The cost of owning the boundary.")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -340,19 +351,25 @@ def main(argv=None) -> int:
                          help="another patches/deepspeed-<base>/ folder: its fix PRs are measured too, as (g)")
     fixcost.add_argument("--size", choices=["100m", "2.9m"], default="100m", help="the model (default 100m)")
     fixcost.add_argument("--quick", action="store_true", help="a tiny model: a smoke run (under scratch/)")
-    fixcost.add_argument("--configs", default="", help="comma-separated configurations (default: z2-opt-cpu,z3-opt-cpu)")
+    fixcost.add_argument("--configs",
+                         default="",
+                         help="comma-separated configurations (default: z2-opt-cpu,z3-opt-cpu)")
     fixcost.add_argument("--micro", type=int, default=1, help="micro-batches per logical step (default 1)")
     fixcost.add_argument("--rounds", type=int, default=6, help="rounds: one trial per build each (default 6)")
     fixcost.add_argument("--warmup", type=int, default=2, help="warm-up steps per trial (default 2)")
     fixcost.add_argument("--steps", type=int, default=6, help="measured steps per trial (default 6)")
-    fixcost.add_argument("--out", default=None, help="Markdown (default benchmarks/results/benchmarks-fixcost-<base>.md; "
-                         "quick: scratch/)")
+    fixcost.add_argument("--out",
+                         default=None,
+                         help="Markdown (default benchmarks/results/benchmarks-fixcost-<base>.md; quick: scratch/)")
     fixcost.add_argument("--json", default=None, help="JSON (default: beside the Markdown, not committed)")
     fixcost.add_argument("--render", action="store_true", help="only rewrite the Markdown from the JSON")
     fixcost.set_defaults(func=cmd_fixcost)
 
     listing = sub.add_parser("list", help="list the configurations")
     listing.set_defaults(func=cmd_list)
+
+    for name in TINKER_TOOLS:  # listed in --help; main() hands them their arguments
+        sub.add_parser(name, help=f"{TINKER_TOOLS[name]} (its own options: {name} --help)")
 
     args = parser.parse_args(argv)
     return args.func(args)

@@ -62,9 +62,10 @@ TIMED_METHODS = {
     "0.19.3": (_STAGE3 + "step", _STAGE3 + "_clear_grad_partitions",
                _STAGE3 + "_copy_unreached_grad_partitions_to_fp32_partitions", _ALLGATHER, _STAGE12 + "step",
                _STAGE12 + "_finalize_offloaded_gradients", _STAGE12 + "reset_cpu_buffers"),
-    "0.19.8": (_STAGE3 + "step", _STAGE3 + "_clear_grad_partitions", _STAGE3 + "_finalize_offload_gradient_accumulation",
-               _STAGE12 + "step", _STAGE12 + "_finalize_cpu_offload_gradient_accumulation",
-               _STAGE12 + "_copy_accumulated_grad_to_fp32_partition", _STAGE12 + "reset_cpu_buffers"),
+    "0.19.8":
+    (_STAGE3 + "step", _STAGE3 + "_clear_grad_partitions", _STAGE3 + "_finalize_offload_gradient_accumulation",
+     _STAGE12 + "step", _STAGE12 + "_finalize_cpu_offload_gradient_accumulation",
+     _STAGE12 + "_copy_accumulated_grad_to_fp32_partition", _STAGE12 + "reset_cpu_buffers"),
 }
 
 
@@ -228,11 +229,13 @@ class Study:
         data = dict(data)
         data["size"] = ModelSize(**data["size"])
         data["builds"] = {
-            k: Build(**{
-                **b, "tree": Path(b["tree"]),
-                "shared_ops": Path(b["shared_ops"]) if b["shared_ops"] else None,
-                "extensions_dir": Path(b["extensions_dir"]) if b["extensions_dir"] else None
-            })
+            k:
+            Build(
+                **{
+                    **b, "tree": Path(b["tree"]),
+                    "shared_ops": Path(b["shared_ops"]) if b["shared_ops"] else None,
+                    "extensions_dir": Path(b["extensions_dir"]) if b["extensions_dir"] else None
+                })
             for k, b in data["builds"].items()
         }
         data["cells"] = [
@@ -327,7 +330,8 @@ def measure(study: Study,
             started = time.monotonic()
             build = study.builds[PRISTINE if role == CONTROL else role]
             pools[role] = exits.enter_context(
-                RankPool(plan.world_size, plan.device, preload, log_dir=plan.scratch / f"logs-{role}", env=build.env()))
+                RankPool(plan.world_size, plan.device, preload, log_dir=plan.scratch / f"logs-{role}",
+                         env=build.env()))
             log(f"({LETTER[role]}) {role}: {plan.world_size} rank hosts ready in {time.monotonic() - started:.0f} s")
         check_builds(pools, study.builds, study.roles)
         errors = {op: reason for pool in pools.values() for op, reason in pool.preload_errors.items()}
@@ -360,7 +364,8 @@ def measure(study: Study,
                     trial = trial_of(role, round_index, place, results, (load_before, os.getloadavg()[0]))
                     cell.trials.append(trial)
                     log(f"{label}: {trial.median_s * 1e3:.0f} ms/step (min {min(trial.step_s) * 1e3:.0f}), "
-                        f"peak RSS {trial.peak_rss_bytes / 2**20:.0f} MiB, load {trial.load[0]:.1f}-{trial.load[1]:.1f} "
+                        f"peak RSS {trial.peak_rss_bytes / 2**20:.0f} MiB, "
+                        f"load {trial.load[0]:.1f}-{trial.load[1]:.1f} "
                         f"({time.monotonic() - started:.0f} s)")
                 save(study)
     return study
