@@ -61,32 +61,42 @@ def method_median(cell: Cell, role: str, method: str) -> Optional[float]:
     return statistics.median(values) if values else None
 
 
+def _cpu(trial) -> float:
+    return statistics.median(trial.cpu_s)
+
+
 def _summary_rows(study: Study) -> List[str]:
     others = _others(study)
     lines = [
         "| Configuration | a: median step (ms) | " + " | ".join(f"{LETTER[r]}/a" for r in others) +
-        " | CPU f/a | peak RSS f − a | collectives, losses |",
-        "|---|---:|" + "---:|" * len(others) + "---:|---:|---|",
+        " | a: CPU per step (ms) | " + " | ".join(f"CPU {LETTER[r]}/a"
+                                                  for r in others) + " | peak RSS f − a | collectives, losses |",
+        "|---|---:|" + "---:|" * len(others) + "---:|" + "---:|" * len(others) + "---:|---|",
     ]
     for cell in study.cells:
         base = [s for t in cell.of(PRISTINE) for s in t.step_s]
+        base_cpu = [s for t in cell.of(PRISTINE) for s in t.cpu_s]
         rss = [t.peak_rss_bytes for t in cell.of(FIXES)], [t.peak_rss_bytes for t in cell.of(PRISTINE)]
         rss_text = f"{(statistics.median(rss[0]) - statistics.median(rss[1])) / 2**20:+.0f} MiB" if all(rss) else "–"
         checks = [r for r in (FIXES, AFTER) if r in study.roles]
         same = all(same_collectives(cell, r) and same_losses(cell, r) for r in checks)
         lines.append(f"| {cell.configuration} | {_ms(statistics.median(base)) if base else '–'} | " +
-                     " | ".join(_spread(cell.ratios(r)) for r in others) +
-                     f" | {_spread(cell.ratios(FIXES, lambda t: statistics.median(t.cpu_s)))} | {rss_text} | " +
+                     " | ".join(_spread(cell.ratios(r))
+                                for r in others) + f" | {_ms(statistics.median(base_cpu)) if base_cpu else '–'} | " +
+                     " | ".join(_spread(cell.ratios(r, _cpu)) for r in others) + f" | {rss_text} | " +
                      ("identical" if same else "**differ**") + " |")
     return lines
 
 
 def _round_rows(study: Study, cell: Cell) -> List[str]:
-    roles = study.roles
+    roles, others = study.roles, _others(study)
     lines = [
         "| Round | order | load (1 min) | " + " | ".join(f"{LETTER[r]} (ms)" for r in roles) + " | " +
-        " | ".join(f"{LETTER[r]}/a" for r in _others(study)) + " |",
-        "|---:|---|---|" + "---:|" * (len(roles) + len(_others(study))),
+        " | ".join(f"{LETTER[r]}/a"
+                   for r in others) + " | " + " | ".join(f"{LETTER[r]} CPU (ms)"
+                                                         for r in roles) + " | " + " | ".join(f"CPU {LETTER[r]}/a"
+                                                                                              for r in others) + " |",
+        "|---:|---|---|" + "---:|" * 2 * (len(roles) + len(others)),
     ]
     for round_index in range(study.rounds):
         trials = {t.role: t for t in cell.trials if t.round == round_index}
@@ -95,10 +105,16 @@ def _round_rows(study: Study, cell: Cell) -> List[str]:
         order = ", ".join(LETTER[t.role] for t in sorted(trials.values(), key=lambda t: t.place))
         loads = [x for t in trials.values() for x in t.load]
         base = trials.get(PRISTINE)
-        ratio = lambda r: f"{trials[r].median_s / base.median_s:.3f}" if base and r in trials else "–"  # noqa: E731
+
+        def ratio(role: str, of) -> str:
+            return f"{of(trials[role]) / of(base):.3f}" if base and role in trials else "–"
+
+        wall = lambda t: t.median_s  # noqa: E731
         lines.append(f"| {round_index + 1} | {order} | {min(loads):.1f}–{max(loads):.1f} | " +
                      " | ".join(_ms(trials[r].median_s) if r in trials else "–"
-                                for r in roles) + " | " + " | ".join(ratio(r) for r in _others(study)) + " |")
+                                for r in roles) + " | " + " | ".join(ratio(r, wall) for r in others) + " | " +
+                     " | ".join(_ms(_cpu(trials[r])) if r in trials else "–"
+                                for r in roles) + " | " + " | ".join(ratio(r, _cpu) for r in others) + " |")
     return lines
 
 
@@ -115,6 +131,11 @@ def _method_rows(study: Study, cell: Cell) -> List[str]:
             continue
         lines.append(f"| `{name}` | {calls} | " + " | ".join(_ms(method_median(cell, r, name)) for r in roles) + " |")
     return lines
+
+
+def _rounds_text(study: Study) -> str:
+    done = len({t.round for cell in study.cells for t in cell.trials})
+    return report._plural(done, "round") + (f" (of {study.rounds} planned)" if done < study.rounds else "")
 
 
 def render(study: Study, analysis_path: Optional[Path] = None) -> str:
@@ -157,7 +178,7 @@ def render(study: Study, analysis_path: Optional[Path] = None) -> str:
         f"fp32; micro-batch {size.micro_batch} × {size.seq_len} tokens, 1 micro-batch a step; CPU Adam (optimizer "
         f"offloaded to CPU); the main benchmark's ZeRO configurations; {study.world_size} ranks, gloo, "
         f"{report._plural(study.threads_per_rank, 'torch thread')} per rank.",
-        f"- {report._plural(study.rounds, 'round')}; in each, for each configuration, one trial per build, one after "
+        f"- {_rounds_text(study)}; in each, for each configuration, one trial per build, one after "
         "another, in an order rotated every round. A trial is a fresh forked process per rank that builds its engine "
         f"from the same weights and data and takes {report._plural(study.warmup_steps, 'warm-up step')} and "
         f"{study.measure_steps} measured steps; its time is the median of the slowest rank's step times.",
