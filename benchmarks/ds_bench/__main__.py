@@ -235,7 +235,10 @@ def cmd_fixcost(args) -> int:
     size = fixcost.SIZES[size_name]
     info = machine.describe()
     del info["deepspeed"]  # the installed one; the builds measured are the study's builds
-    builds = fixcost.prepare_builds(base, Path(args.after) if args.after else None, _log)
+    builds = fixcost.prepare_builds(base,
+                                    Path(args.after) if args.after else None,
+                                    _log,
+                                    fixes=Path(args.fixes) if args.fixes else None)
     roles = [fixcost.PRISTINE, fixcost.FIXES] + ([fixcost.AFTER] if args.after else []) + [fixcost.CONTROL]
     parameters, tensors = fixcost.model_shape(size)
     plan = fixcost.make_plan(size, args.warmup, args.steps, args.micro)
@@ -346,6 +349,9 @@ def main(argv=None) -> int:
                              help="pristine DeepSpeed against it + the bug-fix PRs in managed mode (the default): "
                              "rounds of interleaved processes")
     fixcost.add_argument("--base", default=None, help="the release (default: the installed DeepSpeed's)")
+    fixcost.add_argument("--fixes",
+                         default=None,
+                         help="the patches/deepspeed-<base>/ folder whose fix PRs are (f) (default: this checkout's)")
     fixcost.add_argument("--after",
                          default=None,
                          help="another patches/deepspeed-<base>/ folder: its fix PRs are measured too, as (g)")

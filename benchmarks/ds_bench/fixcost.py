@@ -109,15 +109,20 @@ def _same_files(a: Path, b: Path) -> bool:
     return _files(a) == _files(b)
 
 
-def prepare_builds(base: str, after: Optional[Path] = None, log: Callable[[str], None] = print) -> Dict[str, Build]:
-    """The pristine tree, the fix-prefix tree of ``base`` and, with ``after`` (another ``patches/deepspeed-<base>/``
-    folder), its fix prefix (each materialized on first use, then cached). Builds whose ops are those of the installed
-    DeepSpeed reuse its JIT ops; otherwise all load the ops of the pristine tree, built once beside it."""
+def prepare_builds(base: str,
+                   after: Optional[Path] = None,
+                   log: Callable[[str], None] = print,
+                   fixes: Optional[Path] = None) -> Dict[str, Build]:
+    """The pristine tree, the fix-prefix tree of ``base`` (of the ``fixes`` folder, default this checkout's
+    ``patches/deepspeed-<base>/``) and, with ``after`` (another such folder), its fix prefix (each materialized on
+    first use, then cached). Builds whose ops are those of the installed DeepSpeed reuse its JIT ops; otherwise all
+    load the ops of the pristine tree, built once beside it."""
     from ds_harness.support import pristine
     from ds_series import stack
 
     base_info = stack.load_base(base)
-    sources = [(PRISTINE, base_info, []), (FIXES, base_info, pristine.bug_fix_prefix(base_info))]
+    fixed = dataclasses.replace(base_info, folder=Path(fixes).resolve()) if fixes else base_info
+    sources = [(PRISTINE, base_info, []), (FIXES, fixed, pristine.bug_fix_prefix(fixed))]
     if after is not None:
         other = dataclasses.replace(base_info, folder=Path(after).resolve())
         sources.append((AFTER, other, pristine.bug_fix_prefix(other)))
