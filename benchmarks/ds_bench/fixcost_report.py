@@ -153,8 +153,8 @@ def render(study: Study, analysis_path: Optional[Path] = None) -> str:
         f"{study.parameters / 1e6:.0f} M parameters",
         "",
         f"Pristine DeepSpeed {study.base} **(a)** against {study.base} with the series' bug-fix PRs **(f)**" +
-        (", and with a later version of those PRs **(g)**," if AFTER in study.roles else "") +
-        " both in managed mode (the default, what every user runs), with a second pristine build **(a′)** beside "
+        (" and with a later version of those PRs **(g)**" if AFTER in study.roles else "") +
+        ", both in managed mode (the default, what every user runs), with a second pristine build **(a′)** beside "
         "them: "
         "a′/a is what two identical builds differ by on this machine during the run.",
         "",
@@ -173,7 +173,7 @@ def render(study: Study, analysis_path: Optional[Path] = None) -> str:
         "",
         "## How",
         "",
-        f"- Model: a {size.n_layers}-layer GPT (d_model {size.d_model}, d_ff {size.d_ff}, {size.n_heads} heads, "
+        f"- Model: a GPT of {size.n_layers} layers (d_model {size.d_model}, d_ff {size.d_ff}, {size.n_heads} heads, "
         f"vocabulary {size.vocab}): {report._num(study.parameters)} parameters in {study.parameter_tensors} tensors, "
         f"fp32; micro-batch {size.micro_batch} × {size.seq_len} tokens, 1 micro-batch a step; CPU Adam (optimizer "
         f"offloaded to CPU); the main benchmark's ZeRO configurations; {study.world_size} ranks, gloo, "
