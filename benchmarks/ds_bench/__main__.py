@@ -5,7 +5,9 @@
     python -m ds_bench render         # re-render benchmarks/results/benchmarks.md from its JSON
     python -m ds_bench factor         # re-measure only the gradient_divide_factor table into the JSON
     python -m ds_bench list           # the configurations
-    python -m ds_bench fixcost        # the cost of the bug-fix PRs in managed mode: results/benchmarks-fixcost.md
+    python -m ds_bench fixcost        # the bug-fix PRs' cost in managed mode: results/benchmarks-fixcost-<base>.md
+    python -m ds_bench tinker-memory  # the Tinker server's memory per rank (docs/tinker-server/deployment.md)
+    python -m ds_bench tinker-sampling  # the Tinker server's sampling throughput (docs/tinker-server/internals.md)
 
 The pages and their hand-written analyses are committed in ``benchmarks/results/``; a run's JSON (every round and
 rank) is written beside its page and not committed, except ``*-summary.json``, what another page shows of it.
@@ -21,7 +23,7 @@ import shlex
 import sys
 import time
 from pathlib import Path
-from typing import Optional
+
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = Path(__file__).resolve().parents[1] / "results"
@@ -32,14 +34,11 @@ QUICK_JSON = ROOT / "scratch" / "benchmarks-quick.json"
 #: The 0.19.8 build's page, which results/benchmarks.md summarizes beside its own (``run`` in the 0.19.8 virtualenv),
 #: from the committed summary of its JSON.
 DOCS_0198_MD = RESULTS / "benchmarks-0.19.8.md"
-FIXCOST_MD = RESULTS / "benchmarks-fixcost.md"
-QUICK_FIXCOST_MD = ROOT / "scratch" / "benchmarks-fixcost-quick.md"
 
 
 def fixcost_md(base: str, quick: bool = False) -> Path:
-    """``fixcost``'s page for ``base`` (0.19.3's keeps its first name; 0.19.8's is benchmarks-fixcost-0.19.8.md)."""
-    page = QUICK_FIXCOST_MD if quick else FIXCOST_MD
-    return page if base == "0.19.3" else page.with_name(f"{page.stem}-{base}.md")
+    """``fixcost``'s page for ``base``: results/benchmarks-fixcost-<base>.md (quick: under scratch/)."""
+    return (ROOT / "scratch" if quick else RESULTS) / f"benchmarks-fixcost{'-quick' if quick else ''}-{base}.md"
 
 
 def _log(message: str) -> None:
@@ -210,22 +209,21 @@ def cmd_factor(args) -> int:
 
 
 def cmd_fixcost(args) -> int:
-    """Pristine DeepSpeed against the same release + the series' bug-fix PRs, managed mode: time, memory, collectives.
-
-    The release is the installed DeepSpeed's base (0.19.3 or 0.19.8), whose JIT ops both trees reuse."""
-    from ds_bench import fixcost
-    base = fixcost.installed_base()
-    if base not in fixcost.BASES:
-        print(f"the installed DeepSpeed is built on {base}; fixcost measures {', '.join(fixcost.BASES)}", file=sys.stderr)
+    """Pristine DeepSpeed against the same release + the series' bug-fix PRs (and, with ``--after``, another version of
+    those PRs), managed mode: rounds of interleaved processes, with a second pristine build as the control."""
+    from ds_bench import fixcost, fixcost_report
+    base = args.base or fixcost.installed_base()
+    if base not in fixcost.TIMED_METHODS:
+        print(f"fixcost measures {', '.join(fixcost.TIMED_METHODS)}, not {base}", file=sys.stderr)
         return 2
     out_md = Path(args.out) if args.out else fixcost_md(base, args.quick)
     out_json = Path(args.json) if args.json else out_md.with_suffix(".json")
     if args.render:
-        _write_fixcost(json.loads(out_json.read_text()), out_md, None)
+        study = fixcost.Study.from_json(json.loads(out_json.read_text()))
+        out_md.write_text(fixcost_report.render(study, fixcost_report.analysis_of(out_md)))
         print(f"wrote {out_md}")
         return 0
     os.environ.setdefault("DS_BUILD_OPS", "0")
-    import torch
     from ds_bench import configs, machine
 
     names = _csv(args.configs) if args.configs else list(fixcost.CONFIGURATIONS)
@@ -233,52 +231,54 @@ def cmd_fixcost(args) -> int:
     if unknown:
         print(f"unknown configuration(s): {', '.join(unknown)}; see `python -m ds_bench list`", file=sys.stderr)
         return 2
-    steps = {1: 2, 4: 1} if args.quick else {1: 10, 4: 5}
-    for item in _csv(args.steps):
-        n_micro, count = item.split(":")
-        steps[int(n_micro)] = int(count)
+    size_name = "quick" if args.quick else args.size
+    size = fixcost.SIZES[size_name]
     info = machine.describe()
-    del info["deepspeed"]  # the installed one; the builds measured are described by the record's "builds"
-    print(
-        f"torch {torch.__version__}; DeepSpeed {base} pristine against {base} + its bug-fix PRs, "
-        "managed mode",
-        flush=True)
-    data = {
-        "schema": 1,
-        "command": ("python -m ds_bench " + " ".join(shlex.quote(a) for a in sys.argv[1:])).strip(),
-        "quick": args.quick,
-        "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "machine": info,
-    }
-    builds = fixcost.prepare_builds(base, _log)
-    plan = fixcost.make_plan(names, [int(n) for n in _csv(args.micro)], args.rounds, steps, quick=args.quick)
+    del info["deepspeed"]  # the installed one; the builds measured are the study's builds
+    builds = fixcost.prepare_builds(base,
+                                    Path(args.after) if args.after else None,
+                                    _log,
+                                    fixes=Path(args.fixes) if args.fixes else None)
+    roles = [fixcost.PRISTINE, fixcost.FIXES] + ([fixcost.AFTER] if args.after else []) + [fixcost.CONTROL]
+    parameters, tensors = fixcost.model_shape(size)
+    plan = fixcost.make_plan(size, args.warmup, args.steps, args.micro)
+    study = fixcost.Study(command=("python -m ds_bench " + " ".join(shlex.quote(a) for a in sys.argv[1:])).strip(),
+                          started=_now(),
+                          base=base,
+                          size_name=size_name,
+                          size=size,
+                          parameters=parameters,
+                          parameter_tensors=tensors,
+                          world_size=plan.world_size,
+                          threads_per_rank=plan.threads,
+                          warmup_steps=args.warmup,
+                          measure_steps=args.steps,
+                          rounds=args.rounds,
+                          nice=os.nice(0),
+                          machine=info,
+                          builds=builds,
+                          roles=roles,
+                          timed_methods=list(fixcost.TIMED_METHODS[base]),
+                          quick=args.quick)
+    _log(f"DeepSpeed {base}: {', '.join(roles)}; {parameters / 1e6:.1f} M parameters; nice {study.nice}")
 
-    def save(record: dict) -> None:
-        record["finished"] = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
-        _write_fixcost(record, out_md, out_json)
-
-    fixcost.measure(plan, builds, data, base, log=_log, save=save)
-    save(data)
-    _log(f"wrote {out_md} and {out_json}")
-    failed = [
-        f"{c['configuration']} N={c['n_micro']} round {e['round'] + 1} {e.get('role') or ''}: {e['error']}"
-        for c in data["cells"] for e in c["errors"]
-    ]
-    for line in failed:
-        print(f"error: {line}", file=sys.stderr)
-    return 1 if failed else 0
-
-
-def _write_fixcost(data: dict, out_md: Path, out_json: Optional[Path]) -> None:
-    from ds_bench import fixcost_report
-    fixcost_report.analyze(data)
-    if out_json is not None:
+    def save(study) -> None:
+        study.finished = _now()
         out_json.parent.mkdir(parents=True, exist_ok=True)
-        out_json.write_text(json.dumps(data, indent=1, sort_keys=False) + "\n")
-    base = fixcost_report.base_of(data)
-    analysis = fixcost_report.analysis_of(base) if out_md.resolve() == fixcost_md(base).resolve() else None
-    out_md.parent.mkdir(parents=True, exist_ok=True)
-    out_md.write_text(fixcost_report.render(data, analysis))
+        out_json.write_text(json.dumps(study.to_json(), indent=1) + "\n")
+
+    fixcost.measure(study, plan, names, log=_log, save=save)
+    save(study)
+    out_md.write_text(fixcost_report.render(study, fixcost_report.analysis_of(out_md)))
+    _log(f"wrote {out_md} and {out_json}")
+    for cell in study.cells:
+        for e in cell.errors:
+            print(f"error: {cell.configuration} round {e['round'] + 1} {e['role']}: {e['error']}", file=sys.stderr)
+    return 1 if any(cell.errors for cell in study.cells) else 0
+
+
+def _now() -> str:
+    return datetime.datetime.now().astimezone().isoformat(timespec="seconds")
 
 
 def cmd_list(args) -> int:
@@ -289,7 +289,19 @@ def cmd_list(args) -> int:
     return 0
 
 
+#: The Tinker server's own measurements, each with its own arguments: ``python -m ds_bench <name> ...``.
+TINKER_TOOLS = {
+    "tinker-memory": "the Tinker server's peak memory per rank",
+    "tinker-sampling": "the Tinker server's sampling throughput",
+}
+
+
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in TINKER_TOOLS:
+        import importlib
+        importlib.import_module(f"ds_bench.{argv[0].replace('-', '_')}").main(argv[1:])
+        return 0
     parser = argparse.ArgumentParser(prog="python -m ds_bench", description="The cost of owning the boundary.")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -334,24 +346,36 @@ def main(argv=None) -> int:
     factor.set_defaults(func=cmd_factor)
 
     fixcost = sub.add_parser("fixcost",
-                             help="pristine DeepSpeed against it + the bug-fix PRs in managed mode (the default), "
-                             "on the installed DeepSpeed's base")
-    fixcost.add_argument("--quick", action="store_true", help="tiny tensors, few steps: a smoke run (under scratch/)")
+                             help="pristine DeepSpeed against it + the bug-fix PRs in managed mode (the default): "
+                             "rounds of interleaved processes")
+    fixcost.add_argument("--base", default=None, help="the release (default: the installed DeepSpeed's)")
+    fixcost.add_argument("--fixes",
+                         default=None,
+                         help="the patches/deepspeed-<base>/ folder whose fix PRs are (f) (default: this checkout's)")
+    fixcost.add_argument("--after",
+                         default=None,
+                         help="another patches/deepspeed-<base>/ folder: its fix PRs are measured too, as (g)")
+    fixcost.add_argument("--size", choices=["100m", "2.9m"], default="100m", help="the model (default 100m)")
+    fixcost.add_argument("--quick", action="store_true", help="a tiny model: a smoke run (under scratch/)")
     fixcost.add_argument("--configs",
                          default="",
-                         help="comma-separated configurations (default: z3, z3-opt-cpu, "
-                         "z2-opt-cpu, z1-opt-cpu)")
-    fixcost.add_argument("--micro", default="1,4", help="micro-batches per logical step (default: 1,4)")
-    fixcost.add_argument("--rounds", type=int, default=1, help="rounds (fresh engines) per configuration and N")
-    fixcost.add_argument("--steps", default="", help="measured steps per trial, as N:steps,... (default 1:10,4:5)")
-    fixcost.add_argument("--out", default=None, help="Markdown (default benchmarks/results/benchmarks-fixcost.md, "
-                         "on 0.19.8 benchmarks-fixcost-0.19.8.md; quick: scratch/)")
-    fixcost.add_argument("--json", default=None, help="JSON (default: beside the Markdown)")
+                         help="comma-separated configurations (default: z2-opt-cpu,z3-opt-cpu)")
+    fixcost.add_argument("--micro", type=int, default=1, help="micro-batches per logical step (default 1)")
+    fixcost.add_argument("--rounds", type=int, default=6, help="rounds: one trial per build each (default 6)")
+    fixcost.add_argument("--warmup", type=int, default=2, help="warm-up steps per trial (default 2)")
+    fixcost.add_argument("--steps", type=int, default=6, help="measured steps per trial (default 6)")
+    fixcost.add_argument("--out",
+                         default=None,
+                         help="Markdown (default benchmarks/results/benchmarks-fixcost-<base>.md; quick: scratch/)")
+    fixcost.add_argument("--json", default=None, help="JSON (default: beside the Markdown, not committed)")
     fixcost.add_argument("--render", action="store_true", help="only rewrite the Markdown from the JSON")
     fixcost.set_defaults(func=cmd_fixcost)
 
     listing = sub.add_parser("list", help="list the configurations")
     listing.set_defaults(func=cmd_list)
+
+    for name in TINKER_TOOLS:  # listed in --help; main() hands them their arguments
+        sub.add_parser(name, help=f"{TINKER_TOOLS[name]} (its own options: {name} --help)")
 
     args = parser.parse_args(argv)
     return args.func(args)

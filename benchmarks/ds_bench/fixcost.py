@@ -1,125 +1,83 @@
 """The cost of the series' bug-fix PRs for every user: pristine DeepSpeed against the same release with the fix PRs,
-both in managed mode (the default), on the base of the installed DeepSpeed (0.19.3 or 0.19.8).
+both in managed mode (the default).
 
-The bug-fix PRs (``fix-*``, first in the series) change what managed mode runs: ZeRO-3 waits for every coalesced
-all-gather, zeroes its flat gradient-partition buffer at the end of every ``step()`` and, with optimizer offload,
-passes over the parameters at ``step()`` to finish the partitions the boundary backward did not reach; ZeRO-1/2 with
-CPU optimizer offload record the parameters whose gradient is pending on every backward, finish them at ``step()``
-and zero the fp32 gradient partitions after it.
+The bug-fix PRs (``fix-*``, first in the series) change what managed mode runs: ZeRO-3 zeroes its flat
+gradient-partition buffer at the end of every ``step()`` and, with optimizer offload, passes over the parameters at
+``step()`` to finish the partitions the boundary backward did not reach; ZeRO-1/2 with CPU optimizer offload record
+the parameters whose gradient is pending on every backward, finish them at ``step()`` and zero the fp32 gradient
+partitions after it. Those passes grow with the model, so the cost is measured at the size where it would show.
 
-Builds. Two DeepSpeed trees, the pinned sdist alone and the sdist plus the fix PRs, materialized by
-``ds_series.stack`` under its cache and imported by PYTHONPATH (nothing is installed): the trees, and the reuse of the
-installed DeepSpeed's JIT-built ops where their sources are the same, are those of the tests' pristine references
-(``ds_harness.support.pristine``).
+Builds. DeepSpeed trees materialized by ``ds_series.stack`` under its cache (those of the tests' pristine references,
+``ds_harness.support.pristine``) and imported by PYTHONPATH (nothing is installed): (a) the pinned sdist, (f) the sdist
+plus the series' fix PRs, optionally (g) the sdist plus the fix PRs of another patches folder (a later version of the
+same PRs), and (a′) the pristine tree again, the control: what two identical builds differ by on this machine.
 
-Trials. Three pools of rank hosts (:class:`ds_bench.launch.RankPool`; a host imports its DeepSpeed once): (a) the
-pristine tree, (f) the fix prefix, and (a′) the pristine tree again, the control. For each configuration and N, a
-round starts one managed-mode trial on every pool at once (a fresh forked process per rank: the main benchmark's mode
-trial, which counts the collectives and measures the peak RSS of its own process) and the trials take their steps in
-turn (:mod:`ds_bench.lockstep`), in rotating order (a, f, a′; f, a′, a; a′, a, f; ...), so that only one build
-computes at a time, each engine is built once per round, and f/a and a′/a are ratios of neighbouring steps, as in the
-main benchmark's timing trial: a′/a is what two identical builds differ by on this machine. The trials also time the
-fixes' own methods and the ones they change (:data:`BASES`, :mod:`ds_bench.method_timer`).
+Rounds. Per configuration and round, one managed-mode trial per build, one after another (a fresh forked process per
+rank, its own engine from the same weights and data), in an order rotated from round to round. Each trial's median
+step is compared with the pristine trial of its round (f/a, g/a, a′/a), so slow drifts of a shared machine cancel
+round by round; the 1-minute load average is recorded before and after every trial. The trials also time the
+methods the fixes add or change (:data:`BASES`, :mod:`ds_bench.method_timer`): the fix's own per-step work, directly.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
-import threading
+import statistics
 import time
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
 from ds_bench import configs
 from ds_bench.launch import RankPool
-from ds_bench.lockstep import Conductor, LockstepError
 from ds_bench.model import ModelSize, build_model
-from ds_bench.run import Plan, _first_error, _preload, _Runner, cell_head, combine_ranks
+from ds_bench.run import Plan, _first_error, _preload, _Runner
 
 ROOT = Path(__file__).resolve().parents[2]
 
-PRISTINE, FIXES, CONTROL = "pristine", "fixes", "pristine_control"
-#: The pools, in the order of the first round; later rounds rotate it.
-ROLES = (PRISTINE, FIXES, CONTROL)
-LETTER = {PRISTINE: "a", FIXES: "f", CONTROL: "a′"}
-#: The build each pool imports: the control is a second pool of the pristine tree.
-BUILD_OF = {PRISTINE: PRISTINE, FIXES: FIXES, CONTROL: PRISTINE}
+PRISTINE, FIXES, AFTER, CONTROL = "pristine", "fixes", "fixes_after", "pristine_control"
+LETTER = {PRISTINE: "a", FIXES: "f", AFTER: "g", CONTROL: "a′"}
 
-#: ZeRO-3, ZeRO-3 with CPU optimizer offload, ZeRO-2 and ZeRO-1 with CPU optimizer offload: the paths the fixes change.
-CONFIGURATIONS = ("z3", "z3-opt-cpu", "z2-opt-cpu", "z1-opt-cpu")
-#: 84 transformer blocks of 12 parameter tensors each, plus 5: 1,013 tensors, 2.9 M parameters. The fixes' passes
-#: are per tensor, so many small ones show their cost; in ZeRO-3, 11 of a block's 12 tensors lie within the
-#: persistence threshold (10,000 elements), so every step re-gathers 927 persistent tensors with one all-gather each.
-SIZE = ModelSize(vocab=512, d_model=64, n_heads=2, n_layers=84, d_ff=128, seq_len=16, micro_batch=2)
-#: ``--quick``: as many tensors, a few elements each.
-QUICK_SIZE = ModelSize(vocab=64, d_model=8, n_heads=2, n_layers=84, d_ff=16, seq_len=8, micro_batch=2)
+#: ZeRO-2 and ZeRO-3 with CPU optimizer offload: where the fixes' per-step passes grow with the model.
+CONFIGURATIONS = ("z2-opt-cpu", "z3-opt-cpu")
+SIZES = {
+    # 8 blocks of width 1,024: 105 M parameters in 101 tensors, every one above ZeRO-3's persistence threshold.
+    "100m": ModelSize(vocab=2048, d_model=1024, n_heads=8, n_layers=8, d_ff=4096, seq_len=16, micro_batch=2),
+    # The first study's model: 1,013 small tensors, 2.9 M parameters (per-tensor overheads show).
+    "2.9m": ModelSize(vocab=512, d_model=64, n_heads=2, n_layers=84, d_ff=128, seq_len=16, micro_batch=2),
+    # ``--quick``: a smoke run.
+    "quick": ModelSize(vocab=64, d_model=8, n_heads=2, n_layers=4, d_ff=16, seq_len=8, micro_batch=2),
+}
 
 _STAGE3 = "deepspeed.runtime.zero.stage3:DeepSpeedZeroOptimizer_Stage3."
 _STAGE12 = "deepspeed.runtime.zero.stage_1_and_2:DeepSpeedZeroOptimizer."
 _ALLGATHER = "deepspeed.runtime.zero.partition_parameters:Init._allgather_params_coalesced"
 
-
-@dataclass(frozen=True)
-class FixesOfBase:
-    """What one base's bug-fix PRs add to managed mode: the methods timed, and the words of the page."""
-
-    #: Timed in every trial: the ZeRO optimizers' ``step()`` (both builds: everything the fixes add runs inside it,
-    #: but for the pending-id bookkeeping of ZeRO-1/2 offload backwards), the fixes' new methods (f only) and the
-    #: methods whose work they change (both builds).
-    timed_methods: Tuple[str, ...]
-    #: Methods the fix PRs add: the pristine build must lack them and the fix build have them (a check of the builds).
-    fix_only: Tuple[str, ...]
-    #: What every managed-mode user runs with the fixes, after "so every user runs their code: ".
-    work: str
-    #: The page's note on the timed methods that are not ``step`` or new.
-    methods_note: str
-
-
-BASES = {
-    "0.19.3":
-    FixesOfBase(
-        timed_methods=(_STAGE3 + "step", _STAGE3 + "_clear_grad_partitions",
-                       _STAGE3 + "_copy_unreached_grad_partitions_to_fp32_partitions", _ALLGATHER, _STAGE12 + "step",
-                       _STAGE12 + "_finalize_offloaded_gradients", _STAGE12 + "reset_cpu_buffers"),
-        fix_only=(_STAGE3 + "_clear_grad_partitions", _STAGE3 + "_copy_unreached_grad_partitions_to_fp32_partitions",
-                  _STAGE12 + "_finalize_offloaded_gradients"),
-        work="ZeRO-3 waits for every coalesced all-gather, zeroes its flat gradient-partition buffer at the end of "
-        "every `step()` and, with optimizer offload, passes over the parameters at `step()` for the partitions the "
-        "boundary backward did not reach; ZeRO-1/2 with CPU optimizer offload record the parameters whose gradient is "
-        "pending on every backward, finish them at `step()` and zero the fp32 gradient partitions after it.",
-        methods_note="`Init._allgather_params_coalesced` re-gathers the persistent parameters, whose every all-gather "
-        "`fix-zero3-allgather-wait` waits for."),
+#: Per base, the methods timed in every trial: the ZeRO optimizers' ``step()`` (everything the fixes add runs inside
+#: it, but the pending-id bookkeeping of ZeRO-1/2 offload backwards), the fixes' new methods and those whose work they
+#: change. A method a build lacks is recorded as absent.
+TIMED_METHODS = {
+    "0.19.3": (_STAGE3 + "step", _STAGE3 + "_clear_grad_partitions",
+               _STAGE3 + "_copy_unreached_grad_partitions_to_fp32_partitions", _ALLGATHER, _STAGE12 + "step",
+               _STAGE12 + "_finalize_offloaded_gradients", _STAGE12 + "reset_cpu_buffers"),
     "0.19.8":
-    FixesOfBase(
-        timed_methods=(_STAGE3 + "step", _STAGE3 + "_clear_grad_partitions",
-                       _STAGE3 + "_finalize_offload_gradient_accumulation", _STAGE12 + "step",
-                       _STAGE12 + "_finalize_cpu_offload_gradient_accumulation",
-                       _STAGE12 + "_copy_accumulated_grad_to_fp32_partition", _STAGE12 + "reset_cpu_buffers"),
-        fix_only=(_STAGE3 + "_clear_grad_partitions", _STAGE12 + "_copy_accumulated_grad_to_fp32_partition"),
-        work="ZeRO-3 zeroes its flat gradient-partition buffer at the end of every `step()` and, with optimizer "
-        "offload, runs 0.19.8's unmanaged offload finalize at `step()` for the partitions the boundary backward did "
-        "not reach; ZeRO-1/2 with CPU optimizer offload record the parameters whose gradient is pending on every "
-        "backward, finish them at `step()` through the same finalize and zero the fp32 gradient partitions after it. "
-        "(0.19.8 already has the coalesced all-gather wait, as upstream's #8539.)",
-        methods_note="`_finalize_offload_gradient_accumulation` and `_finalize_cpu_offload_gradient_accumulation` are "
-        "0.19.8's unmanaged offload finalizes, which the fixes run at every managed `step()` too (pristine 0.19.8 "
-        "runs them only in unmanaged mode); `_copy_accumulated_grad_to_fp32_partition` is the boundary copy they "
-        "share with the boundary backward."),
+    (_STAGE3 + "step", _STAGE3 + "_clear_grad_partitions", _STAGE3 + "_finalize_offload_gradient_accumulation",
+     _STAGE12 + "step", _STAGE12 + "_finalize_cpu_offload_gradient_accumulation",
+     _STAGE12 + "_copy_accumulated_grad_to_fp32_partition", _STAGE12 + "reset_cpu_buffers"),
 }
-
-
-def installed_base() -> str:
-    """The release the installed DeepSpeed is built on (``0.19.8+gafollowups.9`` -> ``0.19.8``): its JIT ops are the
-    ones the trees reuse, so the builds measured are of that base."""
-    from importlib.metadata import version
-    return version("deepspeed").partition("+")[0]
 
 
 def short_method(target: str) -> str:
     """``module:Class.method`` -> ``Class.method``."""
     return target.partition(":")[2]
+
+
+def installed_base() -> str:
+    """The release the installed DeepSpeed is built on (``0.19.8+gafollowups.9`` -> ``0.19.8``)."""
+    from importlib.metadata import version
+    return version("deepspeed").partition("+")[0]
 
 
 @dataclass
@@ -129,213 +87,290 @@ class Build:
     name: str
     prs: List[str]
     tree: Path
-    #: The installed DeepSpeed's ``deepspeed/ops`` when the tree's JIT ops build from the same sources: first on the
-    #: path, its op builders load the ops the installed DeepSpeed already built. None: the tree builds its own.
-    installed_ops: Optional[Path]
+    #: A ``deepspeed/ops`` folder whose JIT ops build from the same sources as the tree's: first on the path, its op
+    #: builders load the ops built there once (in ``extensions_dir``) for every build. None: the tree builds its own.
+    shared_ops: Optional[Path] = None
+    #: Where the JIT ops are built; None: torch's default (the installed DeepSpeed's).
+    extensions_dir: Optional[Path] = None
+    #: The patches folder the PRs came from.
+    patches: str = ""
 
     def env(self) -> Dict[str, str]:
         """What a rank host of this build adds to its environment (our own packages come from the virtualenv)."""
-        paths = ([str(self.installed_ops)] if self.installed_ops else []) + [str(self.tree)]
+        paths = ([str(self.shared_ops)] if self.shared_ops else []) + [str(self.tree)]
         env = {"PYTHONPATH": os.pathsep.join(paths)}
-        if self.installed_ops is None:  # as the tests' reference runs do: ops built beside the tree
-            env["TORCH_EXTENSIONS_DIR"] = str(self.tree.parent / "torch_extensions")
+        if self.extensions_dir is not None:
+            env["TORCH_EXTENSIONS_DIR"] = str(self.extensions_dir)
         return env
 
-    def describe(self) -> dict:
-        return {
-            "prs": self.prs,
-            "tree": str(self.tree),
-            "installed_ops": str(self.installed_ops) if self.installed_ops else None,
-            "torch_extensions_dir": self.env().get("TORCH_EXTENSIONS_DIR") or os.environ.get("TORCH_EXTENSIONS_DIR"),
-        }
+
+def _same_files(a: Path, b: Path) -> bool:
+    from ds_harness.support.pristine import _files
+    return _files(a) == _files(b)
 
 
-def _pristine_support():
-    """``ds_harness.support.pristine``, which materializes the trees under the stack cache and finds reusable ops."""
+def prepare_builds(base: str,
+                   after: Optional[Path] = None,
+                   log: Callable[[str], None] = print,
+                   fixes: Optional[Path] = None) -> Dict[str, Build]:
+    """The pristine tree, the fix-prefix tree of ``base`` (of the ``fixes`` folder, default this checkout's
+    ``patches/deepspeed-<base>/``) and, with ``after`` (another such folder), its fix prefix (each materialized on
+    first use, then cached). Builds whose ops are those of the installed DeepSpeed reuse its JIT ops; otherwise all
+    load the ops of the pristine tree, built once beside it."""
     from ds_harness.support import pristine
-    return pristine
-
-
-def prepare_builds(base: str, log: Callable[[str], None] = print) -> Dict[str, Build]:
-    """The pristine tree and the fix-prefix tree of ``base`` (materialized on first use, then cached)."""
     from ds_series import stack
 
-    pristine = _pristine_support()
     base_info = stack.load_base(base)
-    builds = {}
-    for name, prs in ((PRISTINE, []), (FIXES, pristine.bug_fix_prefix(base_info))):
+    fixed = dataclasses.replace(base_info, folder=Path(fixes).resolve()) if fixes else base_info
+    sources = [(PRISTINE, base_info, []), (FIXES, fixed, pristine.bug_fix_prefix(fixed))]
+    if after is not None:
+        other = dataclasses.replace(base_info, folder=Path(after).resolve())
+        sources.append((AFTER, other, pristine.bug_fix_prefix(other)))
+    builds: Dict[str, Build] = {}
+    for name, info, prs in sources:
         started = time.monotonic()
-        tree = pristine._reference_tree(base_info, prs)
-        builds[name] = Build(name, [p.name for p in prs], tree, pristine._installed_ops_with_the_same_sources(tree))
-        ops = "the installed DeepSpeed's JIT ops" if builds[name].installed_ops else "its own JIT ops"
-        log(f"{name}: {tree} ({len(prs)} PR(s): {', '.join(p.name for p in prs) or 'none'}; {ops}; "
-            f"{time.monotonic() - started:.0f} s)")
-    if not builds[FIXES].prs:
-        raise RuntimeError(f"the {base} series has no bug-fix PR to measure")
+        tree = pristine._reference_tree(info, prs)
+        build = Build(name, [p.name for p in prs], tree, patches=str(info.folder))
+        installed = pristine._installed_ops_with_the_same_sources(tree)
+        first_ops = builds[PRISTINE].tree / "deepspeed" / "ops" if builds else tree / "deepspeed" / "ops"
+        if installed is not None:
+            build.shared_ops = installed
+        elif _same_files(tree / "deepspeed" / "ops", first_ops):
+            build.shared_ops, build.extensions_dir = first_ops, first_ops.parents[2] / "torch_extensions"
+        else:
+            build.extensions_dir = tree.parent / "torch_extensions"
+        builds[name] = build
+        log(f"{name}: {tree} ({len(prs)} PR(s): {', '.join(build.prs) or 'none'}; ops from "
+            f"{build.shared_ops or 'the tree'}; {time.monotonic() - started:.0f} s)")
+    for name in (FIXES, AFTER):
+        if name in builds and not builds[name].prs:
+            raise RuntimeError(f"{builds[name].patches} has no bug-fix PR to measure")
     return builds
 
 
-def make_plan(configurations: List[str],
-              micro_counts: List[int],
-              rounds: int,
-              measure_steps: Dict[int, int],
-              quick: bool = False) -> Plan:
-    """The main benchmark's plan, with this measurement's model, rounds and steps (fp32, 2 CPU ranks, gloo)."""
-    return Plan(
-        device="cpu",
-        world_size=2,
-        configurations=[configs.BY_NAME[name] for name in configurations],
-        micro_counts=micro_counts,
-        rounds=rounds,
-        warmup_steps=1 if quick else 2,
-        measure_steps=dict(measure_steps),
-        size=QUICK_SIZE if quick else SIZE,
-        dtype="fp32",
-        threads=1,
-        scratch=ROOT / "scratch" / "benchmarks-fixcost",
-        # A trial lives through the other pools' steps too
-        trial_timeout_s=1800.0,
-        factor_micro_counts=[])
+# --- records --------------------------------------------------------------------------------------------------------
 
 
-def settings(plan: Plan, base: str) -> dict:
-    out = {k: v for k, v in plan.settings().items() if k not in ("timing_steps", "factor_micro_counts")}
-    model = build_model(plan.size)
-    out.update(configurations=[c.name for c in plan.configurations],
-               parameter_tensors=len(list(model.parameters())),
-               parameters=sum(p.numel() for p in model.parameters()),
-               timed_methods=list(BASES[base].timed_methods))
-    return out
+@dataclass
+class Trial:
+    """One build's managed-mode trial in one round: the slowest rank's times per measured step."""
+
+    role: str
+    round: int
+    #: Place in its round's order (0 = first).
+    place: int
+    step_s: List[float]
+    cpu_s: List[float]
+    peak_rss_bytes: int
+    #: 1-minute load average before and after the trial.
+    load: Tuple[float, float]
+    #: Per timed method (``Class.method``): the slowest rank's seconds per measured step.
+    methods_s: Dict[str, List[float]] = field(default_factory=dict)
+    #: Per timed method: rank 0's calls in the first measured step.
+    method_calls: Dict[str, int] = field(default_factory=dict)
+    methods_absent: List[str] = field(default_factory=list)
+    #: Rank 0's collectives per measured step (op -> calls, bytes).
+    collectives: List[dict] = field(default_factory=list)
+    losses: List[List[float]] = field(default_factory=list)
+
+    @property
+    def median_s(self) -> float:
+        return statistics.median(self.step_s)
 
 
-def step_order(step: int) -> List[str]:
-    """The pools' order at a step: rotated every step, so each takes each place once in three steps."""
-    shift = step % len(ROLES)
-    return list(ROLES[shift:] + ROLES[:shift])
+@dataclass
+class Cell:
+    """One configuration at one N: every round's trials, and the errors of trials that failed."""
+
+    configuration: str
+    n_micro: int
+    trials: List[Trial] = field(default_factory=list)
+    errors: List[dict] = field(default_factory=list)
+
+    def of(self, role: str) -> List[Trial]:
+        return [t for t in self.trials if t.role == role]
+
+    def ratios(self, role: str, of=lambda t: t.median_s) -> List[float]:
+        """Per round with both trials: ``role``'s median step over pristine's."""
+        base = {t.round: of(t) for t in self.of(PRISTINE)}
+        return [of(t) / base[t.round] for t in self.of(role) if t.round in base]
 
 
-def combine_methods(results: List[dict]) -> dict:
-    """The ranks' method times -> per measured step, rank 0's calls and the slowest rank's seconds per method."""
-    if "method_times" not in results[0]:
-        return {}
-    by_step = []
-    for step in range(len(results[0]["method_times"])):
-        names = sorted(set().union(*(r["method_times"][step] for r in results)))
-        by_step.append({
-            name: {
-                "calls": results[0]["method_times"][step].get(name, {}).get("calls", 0),
-                "seconds": max(r["method_times"][step].get(name, {}).get("seconds", 0.0) for r in results),
-            }
-            for name in names
-        })
-    return {"method_times_by_step": by_step, "methods_absent": results[0].get("methods_absent", [])}
+@dataclass
+class Study:
+    """One run of ``python -m ds_bench fixcost``."""
+
+    command: str
+    started: str
+    base: str
+    size_name: str
+    size: ModelSize
+    parameters: int
+    parameter_tensors: int
+    world_size: int
+    threads_per_rank: int
+    warmup_steps: int
+    measure_steps: int
+    rounds: int
+    nice: int
+    machine: dict
+    builds: Dict[str, Build]
+    #: The roles in their first round's order.
+    roles: List[str]
+    timed_methods: List[str]
+    cells: List[Cell] = field(default_factory=list)
+    finished: str = ""
+    quick: bool = False
+
+    def to_json(self) -> dict:
+        data = dataclasses.asdict(self)
+        for build in data["builds"].values():
+            for key in ("tree", "shared_ops", "extensions_dir"):
+                build[key] = str(build[key]) if build[key] else None
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict) -> "Study":
+        data = dict(data)
+        data["size"] = ModelSize(**data["size"])
+        data["builds"] = {
+            k:
+            Build(
+                **{
+                    **b, "tree": Path(b["tree"]),
+                    "shared_ops": Path(b["shared_ops"]) if b["shared_ops"] else None,
+                    "extensions_dir": Path(b["extensions_dir"]) if b["extensions_dir"] else None
+                })
+            for k, b in data["builds"].items()
+        }
+        data["cells"] = [
+            Cell(**{
+                **c, "trials": [Trial(**{
+                    **t, "load": tuple(t["load"])
+                }) for t in c["trials"]]
+            }) for c in data["cells"]
+        ]
+        return cls(**data)
 
 
-def check_builds(pools: Dict[str, RankPool], builds: Dict[str, Build]) -> Dict[str, dict]:
-    """What each pool's hosts imported; raises unless every host imported its own build's tree."""
-    imported = {}
-    for role, pool in pools.items():
-        tree = builds[BUILD_OF[role]].tree
-        for rank, info in enumerate(pool.deepspeed):
+# --- measurement ----------------------------------------------------------------------------------------------------
+
+
+def make_plan(size: ModelSize, warmup_steps: int, measure_steps: int, n_micro: int) -> Plan:
+    """The main benchmark's plan with this measurement's model and steps (fp32, 2 CPU ranks, gloo, 1 thread each)."""
+    return Plan(device="cpu",
+                world_size=2,
+                configurations=[],
+                micro_counts=[n_micro],
+                rounds=1,
+                warmup_steps=warmup_steps,
+                measure_steps={n_micro: measure_steps},
+                size=size,
+                dtype="fp32",
+                threads=1,
+                scratch=ROOT / "scratch" / "benchmarks-fixcost",
+                trial_timeout_s=1800.0,
+                factor_micro_counts=[])
+
+
+def model_shape(size: ModelSize) -> Tuple[int, int]:
+    """(parameters, parameter tensors) of the benchmark model at ``size``."""
+    model = build_model(size)
+    return sum(p.numel() for p in model.parameters()), len(list(model.parameters()))
+
+
+def round_order(roles: List[str], round_index: int) -> List[str]:
+    """The builds' order in a round: rotated every round, so each takes each place equally often."""
+    shift = round_index % len(roles)
+    return roles[shift:] + roles[:shift]
+
+
+def trial_of(role: str, round_index: int, place: int, results: List[dict], load: Tuple[float, float]) -> Trial:
+    """A mode trial's ranks -> one :class:`Trial` (the slowest rank's times, the largest peak, rank 0's counts)."""
+    steps = len(results[0]["times_s"])
+    slowest = lambda key: [max(r[key][i] for r in results) for i in range(steps)]  # noqa: E731
+    trial = Trial(role=role,
+                  round=round_index,
+                  place=place,
+                  step_s=slowest("times_s"),
+                  cpu_s=slowest("cpu_times_s"),
+                  peak_rss_bytes=max(r["memory"]["peak_rss_bytes"] for r in results),
+                  load=load,
+                  methods_absent=[short_method(m) for m in results[0].get("methods_absent", [])],
+                  collectives=results[0]["counts"],
+                  losses=[r["losses"] for r in results])
+    if "method_times" in results[0]:
+        names = sorted(set().union(*(step for r in results for step in r["method_times"])))
+        for name in names:
+            short = short_method(name)
+            trial.methods_s[short] = [
+                max(r["method_times"][i].get(name, {}).get("seconds", 0.0) for r in results) for i in range(steps)
+            ]
+            trial.method_calls[short] = results[0]["method_times"][0].get(name, {}).get("calls", 0)
+    return trial
+
+
+def check_builds(pools: Dict[str, RankPool], builds: Dict[str, Build], roles: List[str]) -> None:
+    """Raises unless every pool's hosts imported their own build's tree."""
+    for role in roles:
+        tree = builds[PRISTINE if role == CONTROL else role].tree
+        for rank, info in enumerate(pools[role].deepspeed):
             if not str(info.get("file", "")).startswith(str(tree) + os.sep):
                 raise RuntimeError(f"{role} rank {rank} imported DeepSpeed from {info.get('file')}, not from {tree}")
-        imported[role] = pool.deepspeed[0]
-    return imported
 
 
-def measure(plan: Plan,
-            builds: Dict[str, Build],
-            record: dict,
-            base: str,
+def measure(study: Study,
+            plan: Plan,
+            configurations: List[str],
             log: Callable[[str], None] = print,
-            save: Callable[[dict], None] = lambda record: None) -> dict:
-    """Run every round of every cell of ``base``'s builds into ``record["cells"]``, calling ``save(record)`` after
-    each cell."""
+            save: Callable[[Study], None] = lambda study: None) -> Study:
+    """Every round of every configuration into ``study.cells``, calling ``save(study)`` after each round."""
+    plan.configurations = [configs.BY_NAME[name] for name in configurations]
     preload = _preload(plan)
     plan.scratch.mkdir(parents=True, exist_ok=True)
-    record.update(base=base,
-                  settings=settings(plan, base),
-                  builds={name: b.describe()
-                          for name, b in builds.items()},
-                  cells=[])
+    n_micro = plan.micro_counts[0]
     with ExitStack() as exits:
         pools = {}
-        for role in ROLES:
+        for role in study.roles:
             started = time.monotonic()
+            build = study.builds[PRISTINE if role == CONTROL else role]
             pools[role] = exits.enter_context(
-                RankPool(plan.world_size,
-                         plan.device,
-                         preload,
-                         log_dir=plan.scratch / f"logs-{role}",
-                         env=builds[BUILD_OF[role]].env()))
+                RankPool(plan.world_size, plan.device, preload, log_dir=plan.scratch / f"logs-{role}",
+                         env=build.env()))
             log(f"({LETTER[role]}) {role}: {plan.world_size} rank hosts ready in {time.monotonic() - started:.0f} s")
-        record["imported"] = check_builds(pools, builds)
+        check_builds(pools, study.builds, study.roles)
         errors = {op: reason for pool in pools.values() for op, reason in pool.preload_errors.items()}
         if errors:
             raise RuntimeError(f"the rank hosts could not load DeepSpeed's ops: {errors}")
         runners = {role: _Runner(plan, pool, log) for role, pool in pools.items()}
-        for configuration in plan.configurations:
-            for n_micro in plan.micro_counts:
-                cell = {**cell_head(configuration, n_micro), "trials": {role: [] for role in ROLES}, "errors": []}
-                record["cells"].append(cell)
-                _run_cell(plan, configuration, cell, runners, list(BASES[base].timed_methods), log)
-                save(record)
-    return record
-
-
-def _run_cell(plan: Plan, configuration, cell: dict, runners: Dict[str, _Runner], record_methods: List[str],
-              log: Callable[[str], None]) -> None:
-    """The rounds of one cell: per round, one trial per pool at once, stepping in turn (benchmarks.lockstep)."""
-    n_micro = cell["n_micro"]
-    steps = plan.warmup_steps + plan.steps_for(n_micro)
-    for round_index in range(plan.rounds):
-        label = f"{configuration.name} N={n_micro} round {round_index + 1}"
-        started, loads = time.monotonic(), [os.getloadavg()[0]]
-        conductor = Conductor(ROLES, plan.trial_timeout_s)
-        results: Dict[str, List[dict]] = {}
-
-        def trial(role: str) -> None:
-            extra = {"timed_methods": record_methods, "lockstep": conductor.address(role)}
-            results[role] = runners[role].run(configuration, {
-                "n_micro": n_micro,
-                "mode": configs.MANAGED,
-                "extra": extra
-            })
-
-        threads = [threading.Thread(target=trial, args=(role, ), daemon=True) for role in ROLES]
-        for thread in threads:
-            thread.start()
-        lockstep_error = None
-        try:
-            conductor.accept(alive=lambda: all(t.is_alive() for t in threads))
-            loads.append(os.getloadavg()[0])
-            # Rotated from round to round too, so that no pool always follows the same one.
-            conductor.run(steps, lambda step: step_order(step + round_index))
-        except LockstepError as error:
-            lockstep_error = str(error)
-        finally:
-            conductor.close()  # a trial still waiting for a turn then fails and its ranks exit
-            for thread in threads:
-                thread.join()
-        loads.append(os.getloadavg()[0])
-        failed = {role: rs for role, rs in results.items() if any(r["status"] != "ok" for r in rs)}
-        if failed or lockstep_error:
-            for role, rs in failed.items():
-                error = _first_error(rs) if any(r["status"] == "error" for r in rs) else {
-                    "error": next(r.get("reason") for r in rs if r["status"] != "ok")
-                }
-                cell["errors"].append({"role": role, "round": round_index, **error})
-                log(f"{label} ({LETTER[role]}) {role}: ERROR {error['error']}")
-            if lockstep_error and not failed:
-                cell["errors"].append({"role": None, "round": round_index, "error": lockstep_error})
-                log(f"{label}: ERROR {lockstep_error}")
-            continue
-        for role in ROLES:
-            trial_record = {"round": round_index, "load_1min": loads}
-            trial_record.update(combine_ranks(results[role]))
-            trial_record.update(combine_methods(results[role]))
-            cell["trials"][role].append(trial_record)
-        medians = ", ".join(f"{LETTER[r]} {cell['trials'][r][-1]['median_step_s'] * 1e3:.0f} ms" for r in ROLES)
-        peaks = ", ".join(f"{LETTER[r]} {cell['trials'][r][-1]['peak_rss_bytes'] / 2**20:.1f}" for r in ROLES)
-        log(f"{label}: {medians} per step; peak RSS {peaks} MiB; load {max(loads):.1f} "
-            f"({time.monotonic() - started:.0f} s)")
+        cells = [Cell(name, n_micro) for name in configurations]
+        study.cells = cells
+        for round_index in range(study.rounds):
+            # Configurations alternate within a round, so a slow stretch of the machine touches both.
+            for cell in cells:
+                configuration = configs.BY_NAME[cell.configuration]
+                for place, role in enumerate(round_order(study.roles, round_index)):
+                    label = f"{cell.configuration} N={n_micro} round {round_index + 1} ({LETTER[role]})"
+                    started, load_before = time.monotonic(), os.getloadavg()[0]
+                    results = runners[role].run(configuration, {
+                        "n_micro": n_micro,
+                        "mode": configs.MANAGED,
+                        "extra": {
+                            "timed_methods": study.timed_methods
+                        }
+                    })
+                    if any(r["status"] != "ok" for r in results):
+                        error = _first_error(results) if any(r["status"] == "error" for r in results) else {
+                            "error": next(r.get("reason") for r in results if r["status"] != "ok")
+                        }
+                        cell.errors.append({"role": role, "round": round_index, **error})
+                        log(f"{label}: ERROR {error['error']}")
+                        continue
+                    trial = trial_of(role, round_index, place, results, (load_before, os.getloadavg()[0]))
+                    cell.trials.append(trial)
+                    log(f"{label}: {trial.median_s * 1e3:.0f} ms/step (min {min(trial.step_s) * 1e3:.0f}), "
+                        f"peak RSS {trial.peak_rss_bytes / 2**20:.0f} MiB, "
+                        f"load {trial.load[0]:.1f}-{trial.load[1]:.1f} "
+                        f"({time.monotonic() - started:.0f} s)")
+                save(study)
+    return study

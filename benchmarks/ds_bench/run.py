@@ -99,7 +99,7 @@ def trial_spec(plan: Plan,
                timing_modes: Optional[List[str]] = None,
                control_of: str = configs.MANAGED,
                extra: Optional[dict] = None) -> dict:
-    """One trial's spec (see ds_bench.trial); ``extra``: a mode trial's options (``timed_methods``, ``lockstep``)."""
+    """One trial's spec (see ds_bench.trial); ``extra``: a mode trial's options (``timed_methods``)."""
     spec = {
         "device": plan.device,
         "backend": plan.backend,

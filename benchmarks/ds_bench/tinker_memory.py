@@ -1,9 +1,9 @@
 """Peak memory per rank of the Tinker server's training side: loading a model, then one training step, for ZeRO
 1, 2 and 3 at 1, 2 and 4 CPU ranks (docs/tinker-server/deployment.md, "Memory per rank").
 
-    python -m ds_bench.tinker_memory [--stages 1 2 3] [--worlds 1 2 4] [--json PATH] [--markdown PATH]
-    python -m ds_bench.tinker_memory render PATH.json     # the table again from a --json file
-    python -m ds_bench.tinker_memory --lora-clients 3 --stages 1 3 --worlds 2   # one base, several LoRA clients
+    python -m ds_bench tinker-memory [--stages 1 2 3] [--worlds 1 2 4] [--json PATH] [--markdown PATH]
+    python -m ds_bench tinker-memory render PATH.json     # the table again from a --json file
+    python -m ds_bench tinker-memory --lora-clients 3 --stages 1 3 --worlds 2   # one base, several LoRA clients
 
 The model is a real architecture, randomly initialised and saved with ``save_pretrained`` (a Qwen3: 8 layers,
 width 512, MLP 1536, 8 heads / 4 KV heads, vocabulary 32768, untied unembedding: 58 M parameters, 233 MB in fp32),
@@ -26,6 +26,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import List
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -111,7 +112,8 @@ def run_config(stage: int, world: int, model_dir: Path, scratch: Path, lora_clie
     out.mkdir(parents=True, exist_ok=True)
     for old in out.glob("rank*.json"):
         old.unlink()
-    procs = start_ranks([sys.executable, "-m", "ds_bench.tinker_memory", "rank", str(out), str(stage), str(model_dir),
+    procs = start_ranks([sys.executable, "-m", "ds_bench", "tinker-memory", "rank", str(out), str(stage),
+                         str(model_dir),
                          str(lora_clients)], world, cpu=True,
                         env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}, cwd=ROOT, log_dir=out)
     codes = [p.wait() for p in procs]
@@ -141,16 +143,17 @@ def markdown(results: list[dict]) -> str:
                                f"{baseline / MIB:,.0f} MiB.\n")
 
 
-def main() -> None:
-    if len(sys.argv) > 1 and sys.argv[1] == "rank":
-        rank_main(Path(sys.argv[2]), int(sys.argv[3]), sys.argv[4], int(sys.argv[5]) if len(sys.argv) > 5 else 0)
+def main(argv: List[str]) -> None:
+    """``python -m ds_bench tinker-memory ARGV``; ``rank ...`` is how the measurement starts its ranks."""
+    if argv[:1] == ["rank"]:
+        rank_main(Path(argv[1]), int(argv[2]), argv[3], int(argv[4]) if len(argv) > 4 else 0)
         from ds_harness.ranks import exit_rank
 
         exit_rank(0)
-    if len(sys.argv) > 2 and sys.argv[1] == "render":  # the table again from a --json file
-        print(markdown(json.loads(Path(sys.argv[2]).read_text())["results"]))
+    if len(argv) > 1 and argv[0] == "render":  # the table again from a --json file
+        print(markdown(json.loads(Path(argv[1]).read_text())["results"]))
         return
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m ds_bench tinker-memory", description=__doc__.splitlines()[0])
     parser.add_argument("--stages", type=int, nargs="+", default=[1, 2, 3])
     parser.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--scratch", type=Path, default=ROOT / "scratch" / "tinker_memory")
@@ -158,7 +161,7 @@ def main() -> None:
     parser.add_argument("--markdown", type=Path)
     parser.add_argument("--lora-clients", type=int, default=0,
                         help="instead: resident memory per rank after each of N LoRA clients (rank 32) of the model")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     model_dir = build_model_dir(args.scratch / "qwen3-58m")
     if args.lora_clients:
         header = " | ".join(f"after LoRA client {i + 1}" for i in range(args.lora_clients))
@@ -185,7 +188,3 @@ def main() -> None:
     print(table)
     if args.markdown:
         args.markdown.write_text(table)
-
-
-if __name__ == "__main__":
-    main()

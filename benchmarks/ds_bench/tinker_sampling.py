@@ -1,6 +1,6 @@
 """Sampling throughput of the Tinker server's sampler, before and after batching (docs/tinker-server/internals.md).
 
-    python -m ds_bench.tinker_sampling [--reps 5] [--threads 1] [--json PATH]
+    python -m ds_bench tinker-sampling [--reps 5] [--threads 1] [--json PATH]
 
 One process, no ranks: what a rank runs for ``asample`` requests (generation, then the scoring forward that gives
 the logprobs), on the same model, weights, request mix and seeds, through the sampler that was (one request at a
@@ -23,6 +23,7 @@ import json
 import statistics
 import time
 from pathlib import Path
+from typing import List
 
 #: The old sampler, kept as the tests' oracle beside them (not part of the server).
 REFERENCE = Path(__file__).resolve().parents[2] / "tests" / "tinker_server" / "sampling_reference.py"
@@ -119,19 +120,16 @@ def run(reps: int, threads: int, batch: int) -> dict:
     return report
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: List[str]) -> None:
+    """``python -m ds_bench tinker-sampling ARGV``."""
+    parser = argparse.ArgumentParser(prog="python -m ds_bench tinker-sampling", description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--batch", type=int, default=32, help="most requests per batch (server.MAX_SAMPLE_BATCH)")
     parser.add_argument("--json", type=Path)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     report = run(args.reps, args.threads, args.batch)
     text = json.dumps(report, indent=1)
     print(text)
     if args.json:
         args.json.write_text(text + "\n")
-
-
-if __name__ == "__main__":
-    main()

@@ -7,8 +7,7 @@ process group; the caller gives a JSON-able spec and gets a JSON-able result who
   logical step and measures the peak memory of the measured steps, which therefore belong to that
   mode alone (with the allocator set so that RSS tracks live memory: see
   :func:`ds_bench.memory.stabilize_allocator`). With ``timed_methods`` in the spec it also times those
-  methods per step (:mod:`ds_bench.method_timer`); with ``lockstep`` it takes each step only in its turn, in
-  step with trials in other processes (:mod:`ds_bench.lockstep`).
+  methods per step (:mod:`ds_bench.method_timer`).
 * ``timing`` (:func:`run_timing_trial`): one engine per mode in the same processes, driven step by
   step in rotating order (a, b, c, a′; then b, c, a′, a; ...), so each ratio compares neighbouring
   steps run under the same load. a′ is a second managed engine: a′/a is the ratio that measurement
@@ -25,7 +24,6 @@ from datetime import timedelta
 
 from ds_bench import configs
 from ds_bench.comm_counter import CommCounter, subtract
-from ds_bench.lockstep import Turns
 from ds_bench.memory import PeakMemory, current_rss_bytes, stabilize_allocator
 from ds_bench.method_timer import MethodTimer
 from ds_bench.model import ModelSize, build_model, micro_batches, parameter_count
@@ -139,10 +137,7 @@ def run_mode_trial(spec: dict) -> dict:
 
     losses, times, cpu_times, counts, method_times = [], [], [], [], []
     memory = PeakMemory(rank.device)
-    lockstep = spec.get("lockstep")
-    turns = Turns(lockstep, rank.rank, spec["timeout_s"])
     for step, row in enumerate(batches):
-        turns.wait()
         if step == warm:
             gc.collect()
             rank.synchronize()
@@ -156,11 +151,6 @@ def run_mode_trial(spec: dict) -> dict:
         losses.append(loss)
         times.append(wall)
         cpu_times.append(cpu)
-        if lockstep:
-            with counter.paused():
-                dist.barrier()  # every rank has finished the step before the next trial's turn
-        turns.done()
-    turns.close()
     peak = memory.stop()
     peak["baseline_rss_bytes"] = baseline_rss
     peak["allocator_fixed_threshold"] = allocator_fixed
