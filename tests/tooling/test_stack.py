@@ -24,8 +24,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 from ds_series import stack
 
-#: The default base, as the repository holds it.
-BASE = stack.load_base(stack.DEFAULT_BASE)
+#: The base these tests materialise and install, as the repository holds it: 0.19.3, whose trees need nothing but its
+#: sdist (the default base, 0.19.8, also lays upstream's tests/ and docs/ into them). The throwaway project below
+#: makes it the default, so the CLI's default path is what runs.
+BASE = stack.load_base("0.19.3")
 REAL_PATCHES = BASE.folder
 
 
@@ -43,6 +45,7 @@ def project(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sdist: Path) -> Pat
     monkeypatch.setattr(stack, "ROOT", root)
     monkeypatch.setattr(stack, "PATCHES_ROOT", root / "patches")
     monkeypatch.delenv(stack.BASE_ENV, raising=False)
+    monkeypatch.setattr(stack, "DEFAULT_BASE", BASE.version)
     monkeypatch.setenv(stack.SDIST_ENV, str(sdist))
     monkeypatch.setenv(stack.CACHE_ENV, str(tmp_path / "cache"))
     return root
@@ -285,7 +288,9 @@ def test_submit_signs_every_pr_with_the_submitter_and_leaves_patches_alone(base,
 
 
 def test_every_base_folder_pins_its_release_and_names_its_series():
-    assert stack.available_bases()[0] == stack.DEFAULT_BASE
+    assert stack.DEFAULT_BASE == "0.19.8", "`pip install .` builds current DeepSpeed (the README says so)"
+    assert stack.available_bases() == sorted(stack.available_bases(), key=lambda v: tuple(map(int, v.split("."))))
+    assert stack.DEFAULT_BASE in stack.available_bases()
     for version in stack.available_bases():
         base = stack.load_base(version)
         assert base.folder == ROOT / "patches" / f"deepspeed-{version}"

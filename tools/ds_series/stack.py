@@ -7,7 +7,7 @@ The project holds only patches. This tool turns them into a git repository to ed
 
 The repository keeps one series per upstream release, each in ``patches/deepspeed-<version>/`` with a
 ``base.toml`` pinning that release's sdist; ``--base <version>`` (or ``$DS_SERIES_BASE``) picks the one
-to work on, 0.19.3 by default. A new base is one more such folder. Every function takes the :class:`Base` it works
+to work on, 0.19.8 by default. A new base is one more such folder. Every function takes the :class:`Base` it works
 on (``load_base``): importing the module reads nothing and changes nothing.
 
 Run it as ``ds-series-stack`` or ``python -m ds_series.stack`` where the package is installed, or as
@@ -46,7 +46,7 @@ ROOT = Path(os.environ.get(CHECKOUT_ENV) or Path(__file__).resolve().parents[2])
 PATCHES_ROOT = ROOT / "patches"
 #: The base every command works on unless ``--base`` names another: ``$DS_SERIES_BASE`` or this one.
 BASE_ENV = "DS_SERIES_BASE"
-DEFAULT_BASE = "0.19.3"
+DEFAULT_BASE = "0.19.8"
 #: Environment variable naming the folder of upstream files (see ``[extras]`` in base.toml) to use instead of the
 #: one base.toml names.
 EXTRAS_ENV = "DS_SERIES_UPSTREAM_FILES"
