@@ -17,9 +17,10 @@
 set -euo pipefail
 
 DS_SERIES_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-# The upstream release to build (patches/deepspeed-<version>/; the default is ds_series.stack's DEFAULT_BASE, as for
-# `pip install .`); each gets its own default virtualenv.
-DS_SERIES_DEFAULT_BASE=0.19.8
+# The upstream release to build (patches/deepspeed-<version>/): by default what a plain `pip install .` builds
+# (ds_series.stack's DEFAULT_BASE; the stack tool runs as a script, with the standard library only). Each base gets its
+# own default virtualenv: .venv for the default one.
+DS_SERIES_DEFAULT_BASE=$(python3 "$DS_SERIES_ROOT/tools/ds_series/stack.py" bases | head -n 1)
 DS_SERIES_BASE="${DS_SERIES_BASE:-$DS_SERIES_DEFAULT_BASE}"
 export DS_SERIES_BASE
 if [[ "$DS_SERIES_BASE" == "$DS_SERIES_DEFAULT_BASE" ]]; then

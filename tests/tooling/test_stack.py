@@ -302,6 +302,14 @@ def test_every_base_folder_pins_its_release_and_names_its_series():
     assert len(set(tags)) == len(tags), "each series needs its own version label"
 
 
+def test_bases_lists_the_default_first(monkeypatch, capsys):
+    """tools/test.sh and .ci/run take the default base from `bases`' first line, whatever $DS_SERIES_BASE says."""
+    monkeypatch.setenv(stack.BASE_ENV, "0.1.0")
+    assert stack.main(["bases"]) == 0
+    listed = capsys.readouterr().out.split()
+    assert listed[0] == stack.DEFAULT_BASE and sorted(listed) == sorted(stack.available_bases())
+
+
 def test_a_bad_base_fails_where_it_is_used_not_on_import(monkeypatch, capsys):
     """The module holds no base: every command takes one, so importing it cannot fail on $DS_SERIES_BASE."""
     monkeypatch.setenv(stack.BASE_ENV, "0.1.0")

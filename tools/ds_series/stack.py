@@ -685,6 +685,8 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("export", help="regenerate patches/deepspeed-<version>/ from deepspeed-src/<version>/")
     sub.add_parser("check", help="patches apply in order; the materialized tree has nothing unexported")
     sub.add_parser("version", help="print the version `pip install .` gives for the base (the whole series)")
+    sub.add_parser("bases", help="print every base, one a line: the default (what a plain `pip install .` builds) "
+                   "first, then the others, oldest first")
     sub.add_parser("upstream-files", help="print the folder of the base's upstream tests/ and docs/ (downloading "
                    "them if need be); fails if they are unavailable")
     p = sub.add_parser("submit", help="write the series for sending upstream, signed off by you (DCO)")
@@ -695,6 +697,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--editable", action=argparse.BooleanOptionalAction, default=None,
                    help="editable install (default: editable for the dev tree, not for --upto)")
     args = parser.parse_args(argv)
+    if args.command == "bases":
+        print("\n".join([DEFAULT_BASE, *(v for v in available_bases() if v != DEFAULT_BASE)]))
+        return 0
     try:
         base = load_base(args.base) if args.base is not None else default_base()
         if args.without_upstream_files:
