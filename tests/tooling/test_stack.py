@@ -252,6 +252,36 @@ def test_install_upto_1_installs_that_prefix(base, tmp_path, monkeypatch):
         assert (target / "deepspeed" / rel).read_bytes() == (prefix / "deepspeed" / rel).read_bytes(), rel
 
 
+
+def test_install_upto_1_takes_the_wheel_built_beforehand(base, tmp_path, monkeypatch):
+    """`wheels --upto 1` builds prefix 1's wheel with pip (CI does it beside its tests); `install --upto 1` with
+    $DS_SERIES_WHEELS then installs that wheel, the same files as a build of the prefix tree, without building."""
+    wheels = tmp_path / "wheels"
+    assert stack.main(["wheels", "--upto", "1", "--out", str(wheels)]) == 0
+    wheel = stack.wheel_of(base, 1, wheels)
+    assert wheel is not None and stack.wheel_of(base, 2, wheels) is None
+    assert not (wheels / "trees" / "deepspeed-upto-1").exists(), "the tree goes once its wheel is built"
+    target = tmp_path / "site"
+    real_run = subprocess.run
+    pip_calls = []
+
+    def run(cmd, *args, **kwargs):
+        if cmd[1:3] == ["-m", "pip"]:
+            pip_calls.append(list(cmd))
+            if "uninstall" in cmd:
+                return subprocess.CompletedProcess(cmd, 0)
+            cmd = [*cmd, "--no-deps", "--target", str(target)]
+        return real_run(cmd, *args, **kwargs)
+
+    monkeypatch.setattr(stack.subprocess, "run", run)
+    monkeypatch.setenv(stack.WHEELS_ENV, str(wheels))
+    assert stack.main(["install", "--upto", "1"]) == 0
+    [install_cmd] = [c for c in pip_calls if "install" in c]
+    assert str(wheel) in install_cmd
+    assert not (base.prefix_dir / "deepspeed-upto-1").exists(), "nothing is built when the wheel is there"
+    installed = (target / "deepspeed" / "git_version_info_installed.py").read_text()
+    assert f"version='{stack.version_for(base, 1)}'" in installed
+
 # -- submit: the submitter signs the PRs (DCO) ----------------------------------------------------------------
 def test_submit_signs_every_pr_with_the_submitter_and_leaves_patches_alone(base, tmp_path, monkeypatch):
     before = {p.name: p.read_bytes() for p in base.folder.iterdir()}
