@@ -93,7 +93,7 @@ def test_wrong_sdist_hash_is_refused_naming_both_hashes(tmp_path, monkeypatch, c
     with pytest.raises(stack.StackError, match="sha256 mismatch"):
         stack.materialize(BASE, tmp_path / "tree")
     assert not (tmp_path / "tree").exists()
-    assert stack.main(["fetch"]) == 1
+    assert stack.main(["--base", BASE.version, "fetch"]) == 1
     stderr = capsys.readouterr().err
     assert BASE.sha256 in stderr and actual in stderr and "Traceback" not in stderr
 
