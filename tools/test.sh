@@ -3,11 +3,12 @@
 #
 #   bash tools/test.sh [pytest options, e.g. --upto 1 --world-sizes 1,2 -x]
 #   bash tools/test.sh --install-only      # only create/update the environment
-#   DS_SERIES_BASE=0.19.8 bash tools/test.sh   # the same for DeepSpeed 0.19.8 + its follow-up series
+#   DS_SERIES_BASE=0.19.3 bash tools/test.sh   # the same for DeepSpeed 0.19.3 + its independent series
 #
-# Creates (or reuses) the virtualenv $DS_SERIES_VENV (default .venv), installs into it torch 2.13.0,
-# the pinned requirements, this project the README's way (`pip install .`: DeepSpeed 0.19.3 with
-# the whole patch series) and our own packages, editable (DS_SERIES_PACKAGES: the tooling ds_series, the
+# Creates (or reuses) the virtualenv $DS_SERIES_VENV (default .venv; .venv-<version> for another base than the
+# default), installs into it torch 2.13.0, the pinned requirements, this project the README's way (`pip install .`:
+# DeepSpeed 0.19.8 with its whole follow-up series; with DS_SERIES_BASE=0.19.3, 0.19.3 with its series) and our own
+# packages, editable (DS_SERIES_PACKAGES: the tooling ds_series, the
 # test harness ds_harness, the benchmarks ds_bench, the Tinker server deepspeed_tinker), then runs `python -m pytest` over tests/. A later run skips the installs
 # unless a requirements file, the patches or the build tooling changed, or the installed DeepSpeed is
 # not the full series (e.g. after `ds-series-stack install --upto K`).
@@ -16,10 +17,13 @@
 set -euo pipefail
 
 DS_SERIES_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-# The upstream release to build (patches/deepspeed-<version>/); each gets its own default virtualenv.
-DS_SERIES_BASE="${DS_SERIES_BASE:-0.19.3}"
+# The upstream release to build (patches/deepspeed-<version>/): by default what a plain `pip install .` builds
+# (ds_series.stack's DEFAULT_BASE; the stack tool runs as a script, with the standard library only). Each base gets its
+# own default virtualenv: .venv for the default one.
+DS_SERIES_DEFAULT_BASE=$(python3 "$DS_SERIES_ROOT/tools/ds_series/stack.py" bases | head -n 1)
+DS_SERIES_BASE="${DS_SERIES_BASE:-$DS_SERIES_DEFAULT_BASE}"
 export DS_SERIES_BASE
-if [[ "$DS_SERIES_BASE" == 0.19.3 ]]; then
+if [[ "$DS_SERIES_BASE" == "$DS_SERIES_DEFAULT_BASE" ]]; then
     DS_SERIES_VENV="${DS_SERIES_VENV:-.venv}"
 else
     DS_SERIES_VENV="${DS_SERIES_VENV:-.venv-$DS_SERIES_BASE}"

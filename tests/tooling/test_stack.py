@@ -24,8 +24,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 from ds_series import stack
 
-#: The default base, as the repository holds it.
-BASE = stack.load_base(stack.DEFAULT_BASE)
+#: The base these tests materialise and install, as the repository holds it: 0.19.3, whose trees need nothing but its
+#: sdist (the default base, 0.19.8, also lays upstream's tests/ and docs/ into them). The throwaway project below
+#: makes it the default, so the CLI's default path is what runs.
+BASE = stack.load_base("0.19.3")
 REAL_PATCHES = BASE.folder
 
 
@@ -43,6 +45,7 @@ def project(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sdist: Path) -> Pat
     monkeypatch.setattr(stack, "ROOT", root)
     monkeypatch.setattr(stack, "PATCHES_ROOT", root / "patches")
     monkeypatch.delenv(stack.BASE_ENV, raising=False)
+    monkeypatch.setattr(stack, "DEFAULT_BASE", BASE.version)
     monkeypatch.setenv(stack.SDIST_ENV, str(sdist))
     monkeypatch.setenv(stack.CACHE_ENV, str(tmp_path / "cache"))
     return root
@@ -90,7 +93,7 @@ def test_wrong_sdist_hash_is_refused_naming_both_hashes(tmp_path, monkeypatch, c
     with pytest.raises(stack.StackError, match="sha256 mismatch"):
         stack.materialize(BASE, tmp_path / "tree")
     assert not (tmp_path / "tree").exists()
-    assert stack.main(["fetch"]) == 1
+    assert stack.main(["--base", BASE.version, "fetch"]) == 1
     stderr = capsys.readouterr().err
     assert BASE.sha256 in stderr and actual in stderr and "Traceback" not in stderr
 
@@ -249,6 +252,36 @@ def test_install_upto_1_installs_that_prefix(base, tmp_path, monkeypatch):
         assert (target / "deepspeed" / rel).read_bytes() == (prefix / "deepspeed" / rel).read_bytes(), rel
 
 
+
+def test_install_upto_1_takes_the_wheel_built_beforehand(base, tmp_path, monkeypatch):
+    """`wheels --upto 1` builds prefix 1's wheel with pip (CI does it beside its tests); `install --upto 1` with
+    $DS_SERIES_WHEELS then installs that wheel, the same files as a build of the prefix tree, without building."""
+    wheels = tmp_path / "wheels"
+    assert stack.main(["wheels", "--upto", "1", "--out", str(wheels)]) == 0
+    wheel = stack.wheel_of(base, 1, wheels)
+    assert wheel is not None and stack.wheel_of(base, 2, wheels) is None
+    assert not (wheels / "trees" / "deepspeed-upto-1").exists(), "the tree goes once its wheel is built"
+    target = tmp_path / "site"
+    real_run = subprocess.run
+    pip_calls = []
+
+    def run(cmd, *args, **kwargs):
+        if cmd[1:3] == ["-m", "pip"]:
+            pip_calls.append(list(cmd))
+            if "uninstall" in cmd:
+                return subprocess.CompletedProcess(cmd, 0)
+            cmd = [*cmd, "--no-deps", "--target", str(target)]
+        return real_run(cmd, *args, **kwargs)
+
+    monkeypatch.setattr(stack.subprocess, "run", run)
+    monkeypatch.setenv(stack.WHEELS_ENV, str(wheels))
+    assert stack.main(["install", "--upto", "1"]) == 0
+    [install_cmd] = [c for c in pip_calls if "install" in c]
+    assert str(wheel) in install_cmd
+    assert not (base.prefix_dir / "deepspeed-upto-1").exists(), "nothing is built when the wheel is there"
+    installed = (target / "deepspeed" / "git_version_info_installed.py").read_text()
+    assert f"version='{stack.version_for(base, 1)}'" in installed
+
 # -- submit: the submitter signs the PRs (DCO) ----------------------------------------------------------------
 def test_submit_signs_every_pr_with_the_submitter_and_leaves_patches_alone(base, tmp_path, monkeypatch):
     before = {p.name: p.read_bytes() for p in base.folder.iterdir()}
@@ -285,7 +318,9 @@ def test_submit_signs_every_pr_with_the_submitter_and_leaves_patches_alone(base,
 
 
 def test_every_base_folder_pins_its_release_and_names_its_series():
-    assert stack.available_bases()[0] == stack.DEFAULT_BASE
+    assert stack.DEFAULT_BASE == "0.19.8", "`pip install .` builds current DeepSpeed (the README says so)"
+    assert stack.available_bases() == sorted(stack.available_bases(), key=lambda v: tuple(map(int, v.split("."))))
+    assert stack.DEFAULT_BASE in stack.available_bases()
     for version in stack.available_bases():
         base = stack.load_base(version)
         assert base.folder == ROOT / "patches" / f"deepspeed-{version}"
@@ -295,6 +330,14 @@ def test_every_base_folder_pins_its_release_and_names_its_series():
         assert stack.version_for(base, 2) == f"{version}+{base.series_tag}.2"
     tags = [stack.load_base(v).series_tag for v in stack.available_bases()]
     assert len(set(tags)) == len(tags), "each series needs its own version label"
+
+
+def test_bases_lists_the_default_first(monkeypatch, capsys):
+    """tools/test.sh and .ci/run take the default base from `bases`' first line, whatever $DS_SERIES_BASE says."""
+    monkeypatch.setenv(stack.BASE_ENV, "0.1.0")
+    assert stack.main(["bases"]) == 0
+    listed = capsys.readouterr().out.split()
+    assert listed[0] == stack.DEFAULT_BASE and sorted(listed) == sorted(stack.available_bases())
 
 
 def test_a_bad_base_fails_where_it_is_used_not_on_import(monkeypatch, capsys):

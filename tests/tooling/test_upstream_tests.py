@@ -212,6 +212,14 @@ def test_python_option_keeps_the_virtualenv(tmp_path: Path):
     assert ut.venv_of(str(venv_python)) == tmp_path / "venv"
 
 
+@pytest.mark.parametrize("options", [["--pristine", "on-failure"], ["--python", sys.executable]])
+def test_series_installed_needs_the_virtualenv_and_pristine_after_the_series(options, capsys):
+    """--series-installed tests the series already installed; pristine run first ("always") would replace it."""
+    with pytest.raises(SystemExit) as raised:
+        ut.main(["--base", "0.19.8", "--subset", "ci", "--series-installed", *options])
+    assert raised.value.code == 2 and "--series-installed needs --python" in capsys.readouterr().err
+
+
 def test_refuses_a_python_outside_a_virtualenv():
     base_python = Path(sys.base_prefix) / "bin" / "python3"
     if sys.prefix == sys.base_prefix or not base_python.exists():

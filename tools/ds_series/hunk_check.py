@@ -56,6 +56,7 @@ import tomllib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ds_series import stack
 from ds_series.procs import clean_shm, descendants, kill_tree, shm_files
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -1013,8 +1014,8 @@ def main(argv: list[str] | None = None) -> int:
                                      epilog=__doc__.split("\n\n", 1)[1],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base",
-                        default=os.environ.get("DS_SERIES_BASE", "0.19.3"),
-                        help="the series to check (default $DS_SERIES_BASE or 0.19.3)")
+                        default=os.environ.get(stack.BASE_ENV) or stack.DEFAULT_BASE,
+                        help=f"the series to check (default ${stack.BASE_ENV} or {stack.DEFAULT_BASE})")
     parser.add_argument(
         "--venv",
         default=None,

@@ -7,7 +7,7 @@ The project holds only patches. This tool turns them into a git repository to ed
 
 The repository keeps one series per upstream release, each in ``patches/deepspeed-<version>/`` with a
 ``base.toml`` pinning that release's sdist; ``--base <version>`` (or ``$DS_SERIES_BASE``) picks the one
-to work on, 0.19.3 by default. A new base is one more such folder. Every function takes the :class:`Base` it works
+to work on, 0.19.8 by default. A new base is one more such folder. Every function takes the :class:`Base` it works
 on (``load_base``): importing the module reads nothing and changes nothing.
 
 Run it as ``ds-series-stack`` or ``python -m ds_series.stack`` where the package is installed, or as
@@ -46,7 +46,7 @@ ROOT = Path(os.environ.get(CHECKOUT_ENV) or Path(__file__).resolve().parents[2])
 PATCHES_ROOT = ROOT / "patches"
 #: The base every command works on unless ``--base`` names another: ``$DS_SERIES_BASE`` or this one.
 BASE_ENV = "DS_SERIES_BASE"
-DEFAULT_BASE = "0.19.3"
+DEFAULT_BASE = "0.19.8"
 #: Environment variable naming the folder of upstream files (see ``[extras]`` in base.toml) to use instead of the
 #: one base.toml names.
 EXTRAS_ENV = "DS_SERIES_UPSTREAM_FILES"
@@ -55,6 +55,9 @@ EXTRAS_ENV = "DS_SERIES_UPSTREAM_FILES"
 SDIST_ENV = "DS_SERIES_SDIST"
 #: Environment variable overriding the sdist cache folder.
 CACHE_ENV = "DS_SERIES_CACHE"
+#: A folder of prefix wheels built by ``wheels`` (e.g. in the background, while tests run): ``install --upto K``
+#: installs prefix K's wheel from there when it holds one, instead of building it again.
+WHEELS_ENV = "DS_SERIES_WHEELS"
 
 #: Files that DeepSpeed's setup.py rewrites on every install. They stay tracked (they are part of
 #: the pristine tree) but git is told to ignore local changes to them, so an install never makes
@@ -587,11 +590,47 @@ def _keep_op_source_times(before: dict[Path, tuple[str, int]]) -> None:
             os.utime(path, ns=(path.stat().st_atime_ns, old_mtime_ns))
 
 
+def wheel_of(base: Base, upto: int, folder: Path) -> Path | None:
+    """Prefix ``upto``'s wheel in ``folder`` (its version names the series and the prefix), if it is there."""
+    found = sorted(folder.glob(f"{UPSTREAM_NAME}-{version_for(base, upto)}-*.whl"))
+    return found[0] if found else None
+
+
+def build_wheels(base: Base, uptos: list[int], out_dir: Path) -> list[Path]:
+    """Build the wheel of each prefix in ``uptos`` into ``out_dir`` with pip, from fresh prefix trees in
+    ``out_dir/trees`` (not ``base.prefix_dir``: ``install --upto`` may use that meanwhile). Single-threaded pip
+    work that CI runs beside tests; ``install --upto K`` with ``$DS_SERIES_WHEELS=out_dir`` then only installs."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    base = replace(base, prefix_dir=out_dir / "trees")
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check"]
+    wheels = []
+    for upto in uptos:
+        select(base.series(), upto)
+        tree = prefix_tree(base, upto)
+        with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
+            cmd = [*pip, "wheel", "--quiet", "--no-deps", "--wheel-dir", tmp, str(tree)]
+            if subprocess.run(cmd, env=build_env(base, upto)).returncode != 0:
+                raise StackError(f"pip wheel of {tree} failed")
+            built = wheel_of(base, upto, Path(tmp))
+            if built is None:
+                raise StackError(f"pip wheel of {tree} gave no {UPSTREAM_NAME} {version_for(base, upto)} wheel")
+            # Whole or not at all: an install looking for it never sees a wheel being written.
+            wheels.append(built.replace(out_dir / built.name))
+        shutil.rmtree(tree)
+    return wheels
+
+
 def install(base: Base, upto: int | None, editable: bool) -> str:
-    """pip-install the tree patched up to PR ``upto`` (default: the materialized development tree)."""
+    """pip-install the tree patched up to PR ``upto`` (default: the materialized development tree); a prefix
+    from its wheel in ``$DS_SERIES_WHEELS`` if ``wheels`` built it there."""
+    wheels = os.environ.get(WHEELS_ENV)
+    prebuilt = wheel_of(base, upto, Path(wheels)) if wheels and upto is not None and not editable else None
     if upto is None:
         tree = base.tree_dir if (base.tree_dir / ".git").exists() else materialize(base)
         upto = len(stack_commits(tree))
+    elif prebuilt is not None:
+        select(base.series(), upto)
+        tree = prebuilt
     else:
         select(base.series(), upto)
         tree = prefix_tree(base, upto)
@@ -685,16 +724,25 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("export", help="regenerate patches/deepspeed-<version>/ from deepspeed-src/<version>/")
     sub.add_parser("check", help="patches apply in order; the materialized tree has nothing unexported")
     sub.add_parser("version", help="print the version `pip install .` gives for the base (the whole series)")
+    sub.add_parser("bases", help="print every base, one a line: the default (what a plain `pip install .` builds) "
+                   "first, then the others, oldest first")
     sub.add_parser("upstream-files", help="print the folder of the base's upstream tests/ and docs/ (downloading "
                    "them if need be); fails if they are unavailable")
     p = sub.add_parser("submit", help="write the series for sending upstream, signed off by you (DCO)")
     p.add_argument("--author", help="'Name <email>' for From: and Signed-off-by: (default: your git identity)")
     p.add_argument("--out", type=Path, default=ROOT / "dist" / "series", help="folder to write (default: dist/series)")
-    p = sub.add_parser("install", help="pip-install DeepSpeed patched up to PR K")
+    p = sub.add_parser("wheels", help=f"build the wheels of prefixes with pip into a folder (for ${WHEELS_ENV})")
+    p.add_argument("--upto", type=int, nargs="+", required=True, metavar="K", help="the prefixes")
+    p.add_argument("--out", type=Path, required=True, help="the folder")
+    p = sub.add_parser("install", help=f"pip-install DeepSpeed patched up to PR K (from its wheel in ${WHEELS_ENV} "
+                       "if built there)")
     p.add_argument("--upto", type=int, help="install a fresh tree with the first K PRs (default: the dev tree)")
     p.add_argument("--editable", action=argparse.BooleanOptionalAction, default=None,
                    help="editable install (default: editable for the dev tree, not for --upto)")
     args = parser.parse_args(argv)
+    if args.command == "bases":
+        print("\n".join([DEFAULT_BASE, *(v for v in available_bases() if v != DEFAULT_BASE)]))
+        return 0
     try:
         base = load_base(args.base) if args.base is not None else default_base()
         if args.without_upstream_files:
@@ -722,6 +770,9 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "submit":
             for path in submit(base, args.out, args.author):
                 print(path)
+        elif args.command == "wheels":
+            for wheel in build_wheels(base, args.upto, args.out.resolve()):
+                print(f"built {wheel}")
         elif args.command == "install":
             editable = args.editable if args.editable is not None else args.upto is None
             print(f"installed {UPSTREAM_NAME} {install(base, args.upto, editable)}")

@@ -594,12 +594,25 @@ def run_base(base: str, args: argparse.Namespace) -> dict:
             options += (f"--upstream-tests-keep={ids}", )
             log(f"{base}: the CI subset's test ids from {ids.relative_to(ROOT)}")
 
+    reuse = [series_side] if args.series_installed else []
+
     def install_side(side: Side) -> None:
         t0 = time.monotonic()
+        expected = stack.version_for(base_info, side.upto)
+        if side in reuse:
+            # Once: the caller installed the whole series (e.g. `pip install .`); a later install_side reinstalls it.
+            reuse.remove(side)
+            side.version = installed_version(python, env)
+            if side.version != expected:
+                raise SystemExit(f"error: --series-installed, but the installed deepspeed is {side.version}, "
+                                 f"not {expected}")
+            log(f"{base} {side.name}: deepspeed {side.version} is installed in {venv} (--series-installed)")
+            build_ops(python, env)
+            side.install_seconds += time.monotonic() - t0
+            return
         log(f"{base} {side.name}: stack.py install --upto {side.upto} into {venv}")
         tree = install(python, base, side.upto, prefix_dir, env)
         side.version = installed_version(python, env)
-        expected = stack.version_for(base_info, side.upto)
         if side.version != expected:
             raise SystemExit(f"error: installed deepspeed is {side.version}, expected {expected}")
         if side is pristine and not (work / "pristine" / "tests").is_dir():
@@ -897,6 +910,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--time-limit", type=int, default=None, metavar="SECONDS",
                         help="stop running tests after this many seconds (each base): what did not run is "
                         "reported as not run, and counts as neither passing nor failing")
+    parser.add_argument("--series-installed", action="store_true",
+                        help="the whole series is installed in --python's virtualenv already (as `pip install .` "
+                        "leaves it): test it as it is instead of installing it again (the series' tree still gives "
+                        "the test files)")
     parser.add_argument("--local-size", type=int, default=2,
                         help="ranks the CPU accelerator offers; tests needing more skip (default 2)")
     parser.add_argument("--preload", action=argparse.BooleanOptionalAction, default=True,
@@ -919,6 +936,9 @@ def main(argv: list[str] | None = None) -> int:
     bases = args.base or stack.available_bases()
     if args.python and len(bases) != 1:
         parser.error("--python needs exactly one --base")
+    if args.series_installed and not (args.python and args.pristine == "on-failure"):
+        parser.error("--series-installed needs --python (the virtualenv holding the series) and --pristine on-failure "
+                     "(pristine is not installed before the series)")
     whole = args.subset == "full" and not args.paths and set(bases) == set(stack.available_bases())
     report = Path(args.report) if args.report else (ROOT / "tools" / "results" / "upstream-tests.md" if whole else
                                                    Path(args.out) / "report.md")
