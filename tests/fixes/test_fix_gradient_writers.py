@@ -261,3 +261,34 @@ def test_zenflow_overlapped_step_adds_no_stale_host_gradient(dist):
     if not torch.cuda.is_available():
         pytest.skip("ZenFlow needs CUDA GPUs (the multi-GPU workflow runs this)")
     dist.run(_zenflow_overlapped_step_accumulates_no_stale_gradient)
+
+
+def _read_gradient_of_a_parameter_without_one(path_name: str) -> None:
+    """Step 0 uses both heads, step 1 head a only: before step 1's step(), safe_get_full_grad() of head b reads zero,
+    not step 0's gradient, as ZeRO-1/2 without offload reads it. With optimizer offload the fix zeroes a stale fp32
+    gradient slice only when something reads or steps on it (0.19.8 reads step 0's gradient)."""
+    import torch
+    from deepspeed.utils import safe_get_full_grad
+    from ds_harness.support.training import destroy, forward_loss
+
+    engine = PATHS[path_name].initialize(gas=1, managed=None)
+    engine.module.use = "ab"
+    engine.backward(forward_loss(engine, 0, 0))
+    engine.step()
+    engine.module.use = "a"
+    engine.backward(forward_loss(engine, 1, 0))
+    for name, p in engine.module.head_b.named_parameters():
+        grad = safe_get_full_grad(p)
+        assert grad is not None and not grad.any(), (f"{path_name}: head_b.{name} read a gradient of "
+                                                     f"{grad.abs().max().item():g} in a step that gave it none")
+    engine.step()
+    destroy(engine)
+
+
+@pytest.mark.world_size(2)
+@pytest.mark.parametrize("path_name", [
+    pytest.param("zero1", marks=pytest.mark.passes_on_pristine), "zero1-offload",
+    pytest.param("zero2", marks=pytest.mark.passes_on_pristine), "zero2-offload"
+])
+def test_gradient_read_of_a_parameter_without_one_is_zero(dist, path_name):
+    dist.run(_read_gradient_of_a_parameter_without_one, path_name)
