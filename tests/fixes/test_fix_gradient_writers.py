@@ -16,7 +16,7 @@ import pytest
 from ds_harness.support.paths import Path, make_two_head_model
 from ds_harness.support.reference_run import ZENFLOW
 
-pytestmark = [pytest.mark.pr("fix-zero-offload-stale-grads"), pytest.mark.passes_on_pristine]
+pytestmark = pytest.mark.pr("fix-zero-offload-stale-grads")
 
 LR = 0.5
 SET_GRAD = 0.25
@@ -92,6 +92,7 @@ def _of_its_fix(path_name: str):
     return path_name
 
 
+@pytest.mark.passes_on_pristine
 @pytest.mark.world_size(1, 2)
 @pytest.mark.parametrize("path_name", [_of_its_fix(name) for name in sorted(PATHS)])
 def test_gradient_set_on_a_parameter_without_one_drives_the_update(dist, path_name):
@@ -129,6 +130,7 @@ def _set_gradient_replaces_the_backward_one(path_name: str) -> None:
     destroy(engine)
 
 
+@pytest.mark.passes_on_pristine
 @pytest.mark.world_size(1, 2)
 @pytest.mark.parametrize("path_name", ["zero1-offload", "zero2-offload"])
 def test_gradient_set_after_the_boundary_backward_replaces_its_gradient(dist, path_name):
@@ -163,18 +165,30 @@ def _set_gradient_replaces_a_pending_one(path_name: str, managed: bool) -> None:
     destroy(engine)
 
 
-@pytest.mark.base("0.19.3", reason="checks the 0.19.3 fix PRs' revision of this; the 0.19.8 ports are checked by their own "
-                   "revision")
+@pytest.mark.passes_on_pristine
 @pytest.mark.world_size(1, 2)
 @pytest.mark.parametrize("path_name", [_of_its_fix(name) for name in sorted(PATHS)])
 def test_gradient_set_on_a_parameter_with_a_pending_one_drives_the_update(dist, path_name):
     dist.run(_set_gradient_replaces_a_pending_one, path_name, True)
 
 
-@pytest.mark.pr("zero-offload")
-@pytest.mark.base("0.19.3", reason="a promise of the 0.19.3 series' zero-offload")
+def _unmanaged_of_its_fix(path_name: str):
+    """Unmanaged mode: on 0.19.3 a promise of zero-offload (the last of its unmanaged PRs); on 0.19.8, whose flag is
+    upstream's, of the fix PR that gives safe_set_full_grad() this meaning at the path's stage. Without offload, and
+    at ZeRO-1 with offload, the value set is kept on 0.19.8 too (no regression test there); at ZeRO-2 and ZeRO-3
+    with offload 0.19.8's unmanaged finalize copied the host accumulation over it."""
+    fix = "fix-zero3-stale-grad-partitions" if PATHS[path_name].stage == 3 else "fix-zero-offload-stale-grads"
+    marks = [pytest.mark.pr("zero-offload", fix)]
+    if path_name not in ("zero2-offload", "zero3-offload"):
+        marks.append(pytest.mark.passes_on_pristine)
+    return pytest.param(path_name, id=path_name, marks=marks)
+
+
+# Not ZeRO-2 without offload: there unmanaged mode reduces the gradients into the partition only in step(), and
+# 0.19.8's safe_set_full_grad() before step() raises on the ranks holding a fragment ("Gradients are only available
+# immediately after backward and before engine step"), untouched by the fix PRs.
 @pytest.mark.world_size(1, 2)
-@pytest.mark.parametrize("path_name", ["zero1-offload", "zero2-offload", "zero3-offload"])
+@pytest.mark.parametrize("path_name", [_unmanaged_of_its_fix(name) for name in sorted(PATHS) if name != "zero2"])
 def test_unmanaged_gradient_set_before_step_drives_the_update(dist, path_name):
     dist.run(_set_gradient_replaces_a_pending_one, path_name, False)
 
@@ -238,8 +252,7 @@ def _zenflow_overlapped_step_accumulates_no_stale_gradient() -> None:
             f"{(overlapped[name] - sequential[name]).abs().max().item():g})")
 
 
-@pytest.mark.base("0.19.3", reason="checks the 0.19.3 fix PRs' revision of this; the 0.19.8 ports are checked by their own "
-                   "revision")
+@pytest.mark.passes_on_pristine
 @pytest.mark.world_size(1, 2)
 def test_zenflow_overlapped_step_adds_no_stale_host_gradient(dist):
     """ZenFlow runs only on CUDA GPUs: the multi-GPU workflow runs this (it runs the whole suite); skipped here."""
@@ -248,3 +261,34 @@ def test_zenflow_overlapped_step_adds_no_stale_host_gradient(dist):
     if not torch.cuda.is_available():
         pytest.skip("ZenFlow needs CUDA GPUs (the multi-GPU workflow runs this)")
     dist.run(_zenflow_overlapped_step_accumulates_no_stale_gradient)
+
+
+def _read_gradient_of_a_parameter_without_one(path_name: str) -> None:
+    """Step 0 uses both heads, step 1 head a only: before step 1's step(), safe_get_full_grad() of head b reads zero,
+    not step 0's gradient, as ZeRO-1/2 without offload reads it. With optimizer offload the fix zeroes a stale fp32
+    gradient slice only when something reads or steps on it (0.19.8 reads step 0's gradient)."""
+    import torch
+    from deepspeed.utils import safe_get_full_grad
+    from ds_harness.support.training import destroy, forward_loss
+
+    engine = PATHS[path_name].initialize(gas=1, managed=None)
+    engine.module.use = "ab"
+    engine.backward(forward_loss(engine, 0, 0))
+    engine.step()
+    engine.module.use = "a"
+    engine.backward(forward_loss(engine, 1, 0))
+    for name, p in engine.module.head_b.named_parameters():
+        grad = safe_get_full_grad(p)
+        assert grad is not None and not grad.any(), (f"{path_name}: head_b.{name} read a gradient of "
+                                                     f"{grad.abs().max().item():g} in a step that gave it none")
+    engine.step()
+    destroy(engine)
+
+
+@pytest.mark.world_size(2)
+@pytest.mark.parametrize("path_name", [
+    pytest.param("zero1", marks=pytest.mark.passes_on_pristine), "zero1-offload",
+    pytest.param("zero2", marks=pytest.mark.passes_on_pristine), "zero2-offload"
+])
+def test_gradient_read_of_a_parameter_without_one_is_zero(dist, path_name):
+    dist.run(_read_gradient_of_a_parameter_without_one, path_name)
