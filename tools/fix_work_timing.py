@@ -10,15 +10,15 @@ revision ran there every step. Phase "every": every layer gets a gradient in eve
 leaves out a quarter of the layers, another quarter each step, so each step clears the slices of the quarter the
 previous step used and this one missed (a quarter of the partition).
 
-    OMP_NUM_THREADS=1 python tools/fix_work_timing.py [--stage 2] [--layers 96] [--steps 8]
+    TORCH_EXTENSIONS_DIR=.venv/torch_extensions OMP_NUM_THREADS=1 python tools/fix_work_timing.py [--stage 2]
 
 ``--stage 3`` times fix-zero3-stale-grad-partitions' work instead: the pass at ``step()`` over the partitions the
 boundary backward did not reach (``_copy_unreached_grad_partitions_to_fp32_partitions()``) and the memset of the flat
 gradient-partition buffer after the update (``_clear_grad_partitions()``, in host memory with offload).
 
 Run it in an environment with the fix installed (``python -m ds_series.stack install --upto 2``, ``--upto 3`` for
-``--stage 3``, or more); it prints
-per-rank medians in milliseconds.
+``--stage 3``, or more), with ``TORCH_EXTENSIONS_DIR`` where that environment's ops are built (tools/test.sh:
+``.venv/torch_extensions``); it prints per-rank medians in milliseconds.
 """
 
 from __future__ import annotations
