@@ -99,6 +99,35 @@ def test_gradient_set_on_a_parameter_without_one_drives_the_update(dist, path_na
     dist.run(_set_gradient_drives_the_update, path_name)
 
 
+def _set_gradient_after_a_step_with_one_drives_the_update(path_name: str) -> None:
+    """Step 0 uses both heads, step 1 head a only, and head b's gradient is set before step 1's step(): the value
+    set drives the update. With optimizer offload at ZeRO-1/2, step() clears the fp32 gradient slices an earlier
+    step wrote and this one did not, and must count the value set as written in this step."""
+    import torch
+    from deepspeed.utils import safe_get_full_fp32_param, safe_set_full_grad
+    from ds_harness.support.training import destroy, forward_loss
+
+    engine = PATHS[path_name].initialize(gas=1, managed=None)
+    head_b = dict(engine.module.head_b.named_parameters())
+    engine.module.use = "ab"
+    engine.backward(forward_loss(engine, 0, 0))
+    engine.step()
+    before = {name: safe_get_full_fp32_param(p).clone() for name, p in head_b.items()}
+    engine.module.use = "a"
+    engine.backward(forward_loss(engine, 1, 0))
+    for p in head_b.values():
+        safe_set_full_grad(p, torch.full(p.ds_shape if hasattr(p, "ds_shape") else p.shape, SET_GRAD))
+    engine.step()
+    _assert_moved_by_the_set_gradient(path_name, head_b, before)
+    destroy(engine)
+
+
+@pytest.mark.world_size(1, 2)
+@pytest.mark.parametrize("path_name", [_of_its_fix(name) for name in sorted(PATHS)])
+def test_gradient_set_after_a_step_with_one_drives_the_update(dist, path_name):
+    dist.run(_set_gradient_after_a_step_with_one_drives_the_update, path_name)
+
+
 def _set_gradient_replaces_the_backward_one(path_name: str) -> None:
     """Step 0 (two micro-batches) uses head a only: the trunk and head a get a gradient from both backward passes,
     then it is set before the boundary step(). The update must use the value set, not the gradient the backward accumulated: with optimizer

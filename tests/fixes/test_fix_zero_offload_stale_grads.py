@@ -42,6 +42,57 @@ def test_unused_parameters_get_no_stale_gradient_with_offload(dist, stage, n):
     dist.run(_offload_matches_no_offload, stage, n)
 
 
+def _sgd_offload_path(stage: int):
+    """Plain SGD (no momentum, no weight decay): a parameter stepped on a zero gradient does not move at all."""
+    from ds_harness.support.paths import Path, make_two_head_model
+
+    return Path(stage, "fp32", {
+        "optimizer": {
+            "type": "SGD",
+            "params": {
+                "lr": 0.5,
+                "weight_decay": None,
+                "torch_adam": None
+            }
+        },
+        "zero_force_ds_cpu_optimizer": False,
+        "zero_allow_untested_optimizer": True,
+        "zero_optimization": {
+            "offload_optimizer": {
+                "device": "cpu"
+            }
+        },
+    },
+                model_fn=make_two_head_model)
+
+
+def _unused_after_used_steps_on_zero(stage: int) -> None:
+    """Head b gets a gradient in step 0 and none in steps 1 and 2: it must not move in either. step() clears only
+    the fp32 gradient slices an earlier step wrote and this one did not, so a stale slice is one a step missed
+    after a step that wrote it, which is what this checks (0.19.3 stepped it again on step 0's gradient)."""
+    from deepspeed.utils import safe_get_full_fp32_param
+    from ds_harness.support.training import destroy, forward_loss
+
+    engine = _sgd_offload_path(stage).initialize(gas=1, managed=None)
+    head_b = dict(engine.module.head_b.named_parameters())
+    for step, use in enumerate(("ab", "a", "a")):
+        before = {name: safe_get_full_fp32_param(p).clone() for name, p in head_b.items()}
+        engine.module.use = use
+        engine.backward(forward_loss(engine, step, 0))
+        engine.step()
+        for name, p in head_b.items():
+            moved = not torch.equal(safe_get_full_fp32_param(p), before[name])
+            assert moved == (step == 0), (f"ZeRO-{stage} offload, step {step}: head_b.{name} "
+                                          f"{'moved' if moved else 'did not move'}")
+    destroy(engine)
+
+
+@pytest.mark.world_size(1, 2)
+@pytest.mark.parametrize("stage", [1, 2], ids=["zero1", "zero2"])
+def test_parameter_unused_after_a_used_step_steps_on_zero(dist, stage):
+    dist.run(_unused_after_used_steps_on_zero, stage)
+
+
 class _StraddlingHeadMLP(torch.nn.Module):
     """A small trunk, then head b, then head a: with 2 ranks, head b's weight straddles the boundary between the
     ranks' partitions (rank 1 holds its last 15 of 112 elements), and head a's weight lies wholly in rank 1's,

@@ -1,0 +1,136 @@
+"""Direct timings of the ZeRO-1/2 offload fix's own per-step work (fix-zero-offload-stale-grads), at a size where a
+pass over the fp32 gradient partition shows: 2 CPU/gloo ranks, fp32, ZeRO-1 or 2 with CPU optimizer offload, a stack
+of Linear(1024, 1024) layers (96 of them: 100.8 M parameters, about 50 M fp32 gradient elements per rank).
+
+Each step is timed in its parts: ``_finalize_offloaded_gradients()`` (the fix's pass at ``step()``: pending
+gradients, then the clearing of the fp32 gradient slices an earlier step wrote and this one did not),
+``reset_cpu_buffers()`` (its bookkeeping after the update), the whole ``step()``, and, on the same partition at the
+same place (after ``reset_cpu_buffers()``), the memset of the whole fp32 gradient partition that the fix's previous
+revision ran there every step. Phase "every": every layer gets a gradient in every step. Phase "missed": each step
+leaves out a quarter of the layers, another quarter each step, so each step clears the slices of the quarter the
+previous step used and this one missed (a quarter of the partition).
+
+    TORCH_EXTENSIONS_DIR=.venv/torch_extensions OMP_NUM_THREADS=1 python tools/fix_work_timing.py [--stage 2]
+
+``--stage 3`` times fix-zero3-stale-grad-partitions' work instead: the pass at ``step()`` over the partitions the
+boundary backward did not reach (``_copy_unreached_grad_partitions_to_fp32_partitions()``) and the memset of the flat
+gradient-partition buffer after the update (``_clear_grad_partitions()``, in host memory with offload).
+
+Run it in an environment with the fix installed (``python -m ds_series.stack install --upto 2``, ``--upto 3`` for
+``--stage 3``, or more), with ``TORCH_EXTENSIONS_DIR`` where that environment's ops are built (tools/test.sh:
+``.venv/torch_extensions``); it prints per-rank medians in milliseconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+WIDTH = 1024
+#: The optimizer's methods timed per step: the fixes' own and the step around them.
+TIMED = {
+    1: ("_finalize_offloaded_gradients", "reset_cpu_buffers", "step"),
+    2: ("_finalize_offloaded_gradients", "reset_cpu_buffers", "step"),
+    3: ("_copy_unreached_grad_partitions_to_fp32_partitions", "_clear_grad_partitions", "step"),
+}
+
+
+def _timed(record: dict, name: str, method):
+
+    def wrapper(*args, **kwargs):
+        started = time.perf_counter()
+        try:
+            return method(*args, **kwargs)
+        finally:
+            record.setdefault(name, []).append(time.perf_counter() - started)
+
+    return wrapper
+
+
+def _rank_body(stage: int, layers: int, steps: int) -> dict:
+    import deepspeed
+    import torch
+
+    class Stack(torch.nn.Module):
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = torch.nn.ModuleList(torch.nn.Linear(WIDTH, WIDTH) for _ in range(layers))
+            self.skip: set = set()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for i, layer in enumerate(self.layers):
+                if i not in self.skip:
+                    x = torch.nn.functional.gelu(layer(x))
+            return x.float().pow(2).mean()
+
+    torch.manual_seed(0)
+    model = Stack()
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 1,
+        "optimizer": {
+            "type": "Adam",
+            "params": {
+                "lr": 1e-4
+            }
+        },
+        "gradient_clipping": 1.0,
+        "zero_optimization": {
+            "stage": stage,
+            "offload_optimizer": {
+                "device": "cpu"
+            }
+        },
+    }
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    optimizer = engine.optimizer
+    record: dict = {}
+    for name in TIMED[stage]:
+        setattr(optimizer, name, _timed(record, name, getattr(optimizer, name)))
+
+    if stage == 3:
+        timed_memset = lambda: None  # noqa: E731 - _clear_grad_partitions() is ZeRO-3's memset, timed above
+        elements = optimizer.grad_partitions_flat_buffer.numel()
+    else:
+
+        def old_memset():
+            for fp32_partition in optimizer.single_partition_of_fp32_groups:
+                fp32_partition.grad.zero_()
+
+        timed_memset = _timed(record, "old memset", old_memset)
+        elements = sum(p.grad.numel() for p in optimizer.single_partition_of_fp32_groups)
+    quarter = layers // 4
+    results = {"gradient partition elements": elements}
+    for phase in ("warm-up", "every", "missed"):
+        record.clear()
+        for step in range(2 if phase == "warm-up" else steps):
+            model.skip = set(range((step % 4) * quarter, (step % 4 + 1) * quarter)) if phase == "missed" else set()
+            x = torch.randn(2, WIDTH)
+            engine.backward(engine(x))
+            engine.step()
+            timed_memset()  # where (and on what) the previous revision zeroed, every step
+        if phase != "warm-up":
+            results[phase] = {name: round(statistics.median(times) * 1e3, 3) for name, times in record.items()}
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--stage", type=int, default=2, choices=(1, 2, 3))
+    parser.add_argument("--layers", type=int, default=96, help="Linear(1024, 1024) layers (default 96: 100.8 M)")
+    parser.add_argument("--steps", type=int, default=8, help="measured steps per phase (default 8)")
+    args = parser.parse_args()
+
+    from ds_harness import run_on_ranks
+
+    import fix_work_timing  # the ranks import the body by module name, which __main__ is not
+
+    per_rank = run_on_ranks(fix_work_timing._rank_body, 2, args.stage, args.layers, args.steps, timeout=3600)
+    print(json.dumps({f"rank {rank}": result for rank, result in enumerate(per_rank)}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
