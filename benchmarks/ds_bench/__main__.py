@@ -6,6 +6,7 @@
     python -m ds_bench factor         # re-measure only the gradient_divide_factor table into the JSON
     python -m ds_bench list           # the configurations
     python -m ds_bench fixcost        # the bug-fix PRs' cost in managed mode: results/benchmarks-fixcost-<base>.md
+    python -m ds_bench fixwork        # the bug-fix PRs' own per-step work, timed directly at 100M parameters
     python -m ds_bench tinker-memory  # the Tinker server's memory per rank (docs/tinker-server/deployment.md)
     python -m ds_bench tinker-sampling  # the Tinker server's sampling throughput (docs/tinker-server/internals.md)
 
@@ -289,8 +290,9 @@ def cmd_list(args) -> int:
     return 0
 
 
-#: The Tinker server's own measurements, each with its own arguments: ``python -m ds_bench <name> ...``.
-TINKER_TOOLS = {
+#: Measurements with their own arguments: ``python -m ds_bench <name> ...``.
+OWN_OPTIONS_TOOLS = {
+    "fixwork": "the bug-fix PRs' own per-step work, timed directly",
     "tinker-memory": "the Tinker server's peak memory per rank",
     "tinker-sampling": "the Tinker server's sampling throughput",
 }
@@ -298,7 +300,7 @@ TINKER_TOOLS = {
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv and argv[0] in TINKER_TOOLS:
+    if argv and argv[0] in OWN_OPTIONS_TOOLS:
         import importlib
         importlib.import_module(f"ds_bench.{argv[0].replace('-', '_')}").main(argv[1:])
         return 0
@@ -374,8 +376,8 @@ def main(argv=None) -> int:
     listing = sub.add_parser("list", help="list the configurations")
     listing.set_defaults(func=cmd_list)
 
-    for name in TINKER_TOOLS:  # listed in --help; main() hands them their arguments
-        sub.add_parser(name, help=f"{TINKER_TOOLS[name]} (its own options: {name} --help)")
+    for name in OWN_OPTIONS_TOOLS:  # listed in --help; main() hands them their arguments
+        sub.add_parser(name, help=f"{OWN_OPTIONS_TOOLS[name]} (its own options: {name} --help)")
 
     args = parser.parse_args(argv)
     return args.func(args)

@@ -2,7 +2,8 @@
 pass over the fp32 gradient partition shows: 2 CPU/gloo ranks, fp32, ZeRO-1 or 2 with CPU optimizer offload, a stack
 of Linear(1024, 1024) layers (96 of them: 100.8 M parameters, about 50 M fp32 gradient elements per rank).
 
-Each step is timed in its parts: ``_finalize_offloaded_gradients()`` (the fix's pass at ``step()``: pending
+Each step is timed in its parts: the fix's pass at ``step()`` (0.19.3: ``_finalize_offloaded_gradients()``, 0.19.8:
+``_finalize_cpu_offload_gradient_accumulation()``: pending
 gradients, then the clearing of the fp32 gradient slices an earlier step wrote and this one did not),
 ``reset_cpu_buffers()`` (its bookkeeping after the update), the whole ``step()``, and, on the same partition at the
 same place (after ``reset_cpu_buffers()``), the memset of the whole fp32 gradient partition that the fix's previous
@@ -10,14 +11,15 @@ revision ran there every step. Phase "every": every layer gets a gradient in eve
 leaves out a quarter of the layers, another quarter each step, so each step clears the slices of the quarter the
 previous step used and this one missed (a quarter of the partition).
 
-    TORCH_EXTENSIONS_DIR=.venv/torch_extensions OMP_NUM_THREADS=1 python tools/fix_work_timing.py [--stage 2]
+    TORCH_EXTENSIONS_DIR=.venv/torch_extensions OMP_NUM_THREADS=1 python -m ds_bench fixwork [--stage 2]
 
 ``--stage 3`` times fix-zero3-stale-grad-partitions' work instead: the pass at ``step()`` over the partitions the
-boundary backward did not reach (``_copy_unreached_grad_partitions_to_fp32_partitions()``) and the memset of the flat
+boundary backward did not reach (0.19.3: ``_copy_unreached_grad_partitions_to_fp32_partitions()``, 0.19.8:
+``_finalize_offload_gradient_accumulation()``) and the memset of the flat
 gradient-partition buffer after the update (``_clear_grad_partitions()``, in host memory with offload).
 
-Run it in an environment with the fix installed (``python -m ds_series.stack install --upto 2``, ``--upto 3`` for
-``--stage 3``, or more), with ``TORCH_EXTENSIONS_DIR`` where that environment's ops are built (tools/test.sh:
+Run it in an environment with the fix PRs installed (``python -m ds_series.stack [--base 0.19.3] install --upto 3``
+or more), with ``TORCH_EXTENSIONS_DIR`` where that environment's ops are built (tools/test.sh:
 ``.venv/torch_extensions``); it prints per-rank medians in milliseconds.
 """
 
@@ -29,11 +31,15 @@ import statistics
 import time
 
 WIDTH = 1024
-#: The optimizer's methods timed per step: the fixes' own and the step around them.
+#: The optimizer's methods timed per step, the fixes' own and the step around them; of each alternative (the 0.19.3
+#: series' name, the 0.19.8 series'), the one the installed DeepSpeed has.
 TIMED = {
-    1: ("_finalize_offloaded_gradients", "reset_cpu_buffers", "step"),
-    2: ("_finalize_offloaded_gradients", "reset_cpu_buffers", "step"),
-    3: ("_copy_unreached_grad_partitions_to_fp32_partitions", "_clear_grad_partitions", "step"),
+    1: (("_finalize_offloaded_gradients", "_finalize_cpu_offload_gradient_accumulation"), ("reset_cpu_buffers", ),
+        ("step", )),
+    2: (("_finalize_offloaded_gradients", "_finalize_cpu_offload_gradient_accumulation"), ("reset_cpu_buffers", ),
+        ("step", )),
+    3: (("_copy_unreached_grad_partitions_to_fp32_partitions", "_finalize_offload_gradient_accumulation"),
+        ("_clear_grad_partitions", ), ("step", )),
 }
 
 
@@ -88,7 +94,8 @@ def _rank_body(stage: int, layers: int, steps: int) -> dict:
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     optimizer = engine.optimizer
     record: dict = {}
-    for name in TIMED[stage]:
+    for names in TIMED[stage]:
+        name = next(name for name in names if hasattr(optimizer, name))
         setattr(optimizer, name, _timed(record, name, getattr(optimizer, name)))
 
     if stage == 3:
@@ -117,18 +124,16 @@ def _rank_body(stage: int, layers: int, steps: int) -> dict:
     return results
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m ds_bench fixwork", description=__doc__.split("\n\n")[0])
     parser.add_argument("--stage", type=int, default=2, choices=(1, 2, 3))
     parser.add_argument("--layers", type=int, default=96, help="Linear(1024, 1024) layers (default 96: 100.8 M)")
     parser.add_argument("--steps", type=int, default=8, help="measured steps per phase (default 8)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     from ds_harness import run_on_ranks
 
-    import fix_work_timing  # the ranks import the body by module name, which __main__ is not
-
-    per_rank = run_on_ranks(fix_work_timing._rank_body, 2, args.stage, args.layers, args.steps, timeout=3600)
+    per_rank = run_on_ranks(_rank_body, 2, args.stage, args.layers, args.steps, timeout=3600)
     print(json.dumps({f"rank {rank}": result for rank, result in enumerate(per_rank)}, indent=1))
 
 
