@@ -20,7 +20,10 @@ DS_SERIES_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 # The upstream release to build (patches/deepspeed-<version>/): by default what a plain `pip install .` builds
 # (ds_series.stack's DEFAULT_BASE; the stack tool runs as a script, with the standard library only). Each base gets its
 # own default virtualenv: .venv for the default one.
-DS_SERIES_DEFAULT_BASE=$(python3 "$DS_SERIES_ROOT/tools/ds_series/stack.py" bases | head -n 1)
+# (The whole list is read, then its first line kept: `| head -n 1` would close the pipe early, and under pipefail the
+# stack tool's BrokenPipeError would stop this script now and then.)
+DS_SERIES_DEFAULT_BASE=$(python3 "$DS_SERIES_ROOT/tools/ds_series/stack.py" bases)
+DS_SERIES_DEFAULT_BASE=${DS_SERIES_DEFAULT_BASE%%$'\n'*}
 DS_SERIES_BASE="${DS_SERIES_BASE:-$DS_SERIES_DEFAULT_BASE}"
 export DS_SERIES_BASE
 if [[ "$DS_SERIES_BASE" == "$DS_SERIES_DEFAULT_BASE" ]]; then
