@@ -122,6 +122,7 @@ def _set_gradient_after_a_step_with_one_drives_the_update(path_name: str) -> Non
     destroy(engine)
 
 
+@pytest.mark.passes_on_pristine
 @pytest.mark.world_size(1, 2)
 @pytest.mark.parametrize("path_name", [_of_its_fix(name) for name in sorted(PATHS)])
 def test_gradient_set_after_a_step_with_one_drives_the_update(dist, path_name):
