@@ -66,21 +66,29 @@ def _assert_moved_by_the_set_gradient(path_name: str, params: dict, before: dict
                                               f"not by lr * the gradient set ({LR * SET_GRAD:g})")
 
 
+def _set_step_and_check(engine, path_name: str, head_b: dict, before: dict) -> None:
+    """Set head b's gradients to SET_GRAD, step, and check that the value set drove the update."""
+    import torch
+    from deepspeed.utils import safe_set_full_grad
+    from ds_harness.support.training import destroy
+
+    for p in head_b.values():
+        safe_set_full_grad(p, torch.full(p.ds_shape if hasattr(p, "ds_shape") else p.shape, SET_GRAD))
+    engine.step()
+    _assert_moved_by_the_set_gradient(path_name, head_b, before)
+    destroy(engine)
+
+
 def _set_gradient_drives_the_update(path_name: str) -> None:
     """Step 0 uses head a only: head b gets no gradient from backward, then its gradient is set before step()."""
-    import torch
-    from deepspeed.utils import safe_get_full_fp32_param, safe_set_full_grad
-    from ds_harness.support.training import destroy, forward_loss
+    from deepspeed.utils import safe_get_full_fp32_param
+    from ds_harness.support.training import forward_loss
 
     engine = PATHS[path_name].initialize(gas=1, managed=None)
     unused = dict(engine.module.head_b.named_parameters())
     before = {name: safe_get_full_fp32_param(p).clone() for name, p in unused.items()}
     engine.backward(forward_loss(engine, 0, 0))
-    for p in unused.values():
-        safe_set_full_grad(p, torch.full(p.ds_shape if hasattr(p, "ds_shape") else p.shape, SET_GRAD))
-    engine.step()
-    _assert_moved_by_the_set_gradient(path_name, unused, before)
-    destroy(engine)
+    _set_step_and_check(engine, path_name, unused, before)
 
 
 def _of_its_fix(path_name: str):
@@ -103,9 +111,8 @@ def _set_gradient_after_a_step_with_one_drives_the_update(path_name: str) -> Non
     """Step 0 uses both heads, step 1 head a only, and head b's gradient is set before step 1's step(): the value
     set drives the update. With optimizer offload at ZeRO-1/2, step() clears the fp32 gradient slices an earlier
     step wrote and this one did not, and must count the value set as written in this step."""
-    import torch
-    from deepspeed.utils import safe_get_full_fp32_param, safe_set_full_grad
-    from ds_harness.support.training import destroy, forward_loss
+    from deepspeed.utils import safe_get_full_fp32_param
+    from ds_harness.support.training import forward_loss
 
     engine = PATHS[path_name].initialize(gas=1, managed=None)
     head_b = dict(engine.module.head_b.named_parameters())
@@ -115,11 +122,7 @@ def _set_gradient_after_a_step_with_one_drives_the_update(path_name: str) -> Non
     before = {name: safe_get_full_fp32_param(p).clone() for name, p in head_b.items()}
     engine.module.use = "a"
     engine.backward(forward_loss(engine, 1, 0))
-    for p in head_b.values():
-        safe_set_full_grad(p, torch.full(p.ds_shape if hasattr(p, "ds_shape") else p.shape, SET_GRAD))
-    engine.step()
-    _assert_moved_by_the_set_gradient(path_name, head_b, before)
-    destroy(engine)
+    _set_step_and_check(engine, path_name, head_b, before)
 
 
 @pytest.mark.passes_on_pristine
@@ -131,7 +134,8 @@ def test_gradient_set_after_a_step_with_one_drives_the_update(dist, path_name):
 
 def _set_gradient_replaces_the_backward_one(path_name: str) -> None:
     """Step 0 (two micro-batches) uses head a only: the trunk and head a get a gradient from both backward passes,
-    then it is set before the boundary step(). The update must use the value set, not the gradient the backward accumulated: with optimizer
+    then it is set before the boundary step(). The update must use the value set, not the gradient the backward
+    accumulated: with optimizer
     offload, step() finishes only the gradients the boundary backward left pending (``_finalize_offloaded_gradients``
     in fix-zero-offload-stale-grads), and the boundary backward's own copy must leave none pending, or step()
     copies the host accumulation over the value set."""
@@ -155,7 +159,8 @@ def _set_gradient_replaces_the_backward_one(path_name: str) -> None:
     for name, p in used.items():
         after = safe_get_full_fp32_param(p)
         expected = before[name] - LR * SET_GRAD
-        assert torch.equal(after, expected), (f"{path_name}: {name} moved by {(after - before[name]).abs().max().item():g}, "
+        moved = (after - before[name]).abs().max().item()
+        assert torch.equal(after, expected), (f"{path_name}: {name} moved by {moved:g}, "
                                               f"not by lr * the gradient set ({LR * SET_GRAD:g})")
     destroy(engine)
 
@@ -174,9 +179,8 @@ def _set_gradient_replaces_a_pending_one(path_name: str, managed: bool) -> None:
     unmanaged, every gradient is pending until step(). With optimizer offload at ZeRO-1/2, step() finishes pending
     gradients from the host accumulation buffers (``_finalize_offloaded_gradients``), and must not copy them over
     the value set, as ZeRO-3 and every configuration without offload keep it (and 0.19.3 in managed mode)."""
-    import torch
-    from deepspeed.utils import safe_get_full_fp32_param, safe_set_full_grad
-    from ds_harness.support.training import destroy, forward_loss
+    from deepspeed.utils import safe_get_full_fp32_param
+    from ds_harness.support.training import forward_loss
 
     engine = PATHS[path_name].initialize(gas=2 if managed else 1, managed=None if managed else False)
     head_b = dict(engine.module.head_b.named_parameters())
@@ -188,11 +192,7 @@ def _set_gradient_replaces_a_pending_one(path_name: str, managed: bool) -> None:
         engine.module.use = "a"
         engine.backward(forward_loss(engine, 0, 1))
         assert engine.is_gradient_accumulation_boundary()
-    for p in head_b.values():
-        safe_set_full_grad(p, torch.full(p.ds_shape if hasattr(p, "ds_shape") else p.shape, SET_GRAD))
-    engine.step()
-    _assert_moved_by_the_set_gradient(path_name, head_b, before)
-    destroy(engine)
+    _set_step_and_check(engine, path_name, head_b, before)
 
 
 @pytest.mark.passes_on_pristine
@@ -297,7 +297,6 @@ def _read_gradient_of_a_parameter_without_one(path_name: str) -> None:
     """Step 0 uses both heads, step 1 head a only: before step 1's step(), safe_get_full_grad() of head b reads zero,
     not step 0's gradient, as ZeRO-1/2 without offload reads it. With optimizer offload the fix zeroes a stale fp32
     gradient slice only when something reads or steps on it (0.19.8 reads step 0's gradient)."""
-    import torch
     from deepspeed.utils import safe_get_full_grad
     from ds_harness.support.training import destroy, forward_loss
 
