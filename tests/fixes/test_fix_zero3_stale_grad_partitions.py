@@ -121,6 +121,13 @@ DEEPCOMPILE_OFFLOAD = Path(3,
                            zero_init=True)
 
 
+def _skip_without_cuda(what: str) -> None:
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip(f"{what} needs CUDA GPUs (the multi-GPU workflow runs this)")
+
+
 def _deepcompile_offload_matches_pytorch(n: int) -> None:
     # Compiled kernels may round differently from eager ones; a gradient that never reaches the optimizer is off
     # by far more
@@ -132,10 +139,7 @@ def _deepcompile_offload_matches_pytorch(n: int) -> None:
 @pytest.mark.parametrize("n", [1, 2])
 def test_deepcompile_with_optimizer_offload_matches_pytorch(dist, n):
     """DeepCompile needs CUDA GPUs: the multi-GPU workflow runs this (it runs the whole suite); skipped here."""
-    import torch
-
-    if not torch.cuda.is_available():
-        pytest.skip("DeepCompile needs CUDA GPUs (the multi-GPU workflow runs this)")
+    _skip_without_cuda("DeepCompile")
     dist.run(_deepcompile_offload_matches_pytorch, n)
 
 
@@ -162,8 +166,5 @@ def _superoffload_matches_pytorch(n: int) -> None:
 @pytest.mark.parametrize("n", [1, 2])
 def test_superoffload_matches_pytorch(dist, n):
     """SuperOffload needs CUDA GPUs: the multi-GPU workflow runs this; skipped here."""
-    import torch
-
-    if not torch.cuda.is_available():
-        pytest.skip("SuperOffload needs CUDA GPUs (the multi-GPU workflow runs this)")
+    _skip_without_cuda("SuperOffload")
     dist.run(_superoffload_matches_pytorch, n)
