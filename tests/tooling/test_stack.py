@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-
 from ds_series import stack
+
+ROOT = Path(__file__).resolve().parents[2]
 
 #: The base these tests materialise and install, as the repository holds it: 0.19.3, whose trees need nothing but its
 #: sdist (the default base, 0.19.8, also lays upstream's tests/ and docs/ into them). The throwaway project below
@@ -224,9 +224,8 @@ def test_build_env_names_the_prefix(k):
     assert stack.version_for(BASE, k) == f"0.19.3+unmanagedga.{k}"
 
 
-def test_install_upto_1_installs_that_prefix(base, tmp_path, monkeypatch):
-    """A real `install --upto 1`, redirected into a target folder instead of the running environment."""
-    target = tmp_path / "site"
+def _pip_into(target, monkeypatch, *extra: str) -> list:
+    """Redirect the stack tool's pip installs into ``target`` (an uninstall does nothing); the pip commands it ran."""
     real_run = subprocess.run
     pip_calls = []
 
@@ -235,10 +234,17 @@ def test_install_upto_1_installs_that_prefix(base, tmp_path, monkeypatch):
             pip_calls.append(list(cmd))
             if "uninstall" in cmd:
                 return subprocess.CompletedProcess(cmd, 0)
-            cmd = [*cmd, "--no-deps", "--no-build-isolation", "--target", str(target)]
+            cmd = [*cmd, "--no-deps", *extra, "--target", str(target)]
         return real_run(cmd, *args, **kwargs)
 
     monkeypatch.setattr(stack.subprocess, "run", run)
+    return pip_calls
+
+
+def test_install_upto_1_installs_that_prefix(base, tmp_path, monkeypatch):
+    """A real `install --upto 1`, redirected into a target folder instead of the running environment."""
+    target = tmp_path / "site"
+    pip_calls = _pip_into(target, monkeypatch, "--no-build-isolation")
     assert stack.main(["install", "--upto", "1"]) == 0
 
     assert [c for c in pip_calls if "uninstall" in c], "install must first remove the installed deepspeed"
@@ -252,7 +258,6 @@ def test_install_upto_1_installs_that_prefix(base, tmp_path, monkeypatch):
         assert (target / "deepspeed" / rel).read_bytes() == (prefix / "deepspeed" / rel).read_bytes(), rel
 
 
-
 def test_install_upto_1_takes_the_wheel_built_beforehand(base, tmp_path, monkeypatch):
     """`wheels --upto 1` builds prefix 1's wheel with pip (CI does it beside its tests); `install --upto 1` with
     $DS_SERIES_WHEELS then installs that wheel, the same files as a build of the prefix tree, without building."""
@@ -262,18 +267,7 @@ def test_install_upto_1_takes_the_wheel_built_beforehand(base, tmp_path, monkeyp
     assert wheel is not None and stack.wheel_of(base, 2, wheels) is None
     assert not (wheels / "trees" / "deepspeed-upto-1").exists(), "the tree goes once its wheel is built"
     target = tmp_path / "site"
-    real_run = subprocess.run
-    pip_calls = []
-
-    def run(cmd, *args, **kwargs):
-        if cmd[1:3] == ["-m", "pip"]:
-            pip_calls.append(list(cmd))
-            if "uninstall" in cmd:
-                return subprocess.CompletedProcess(cmd, 0)
-            cmd = [*cmd, "--no-deps", "--target", str(target)]
-        return real_run(cmd, *args, **kwargs)
-
-    monkeypatch.setattr(stack.subprocess, "run", run)
+    pip_calls = _pip_into(target, monkeypatch)
     monkeypatch.setenv(stack.WHEELS_ENV, str(wheels))
     assert stack.main(["install", "--upto", "1"]) == 0
     [install_cmd] = [c for c in pip_calls if "install" in c]
@@ -281,6 +275,7 @@ def test_install_upto_1_takes_the_wheel_built_beforehand(base, tmp_path, monkeyp
     assert not (base.prefix_dir / "deepspeed-upto-1").exists(), "nothing is built when the wheel is there"
     installed = (target / "deepspeed" / "git_version_info_installed.py").read_text()
     assert f"version='{stack.version_for(base, 1)}'" in installed
+
 
 # -- submit: the submitter signs the PRs (DCO) ----------------------------------------------------------------
 def test_submit_signs_every_pr_with_the_submitter_and_leaves_patches_alone(base, tmp_path, monkeypatch):
@@ -406,7 +401,8 @@ def test_the_0_19_8_series_builds_on_upstreams_8397():
     base = stack.load_base("0.19.8")
     assert [b.name for b in base.extras.backports] == ["8397-test-device-names.patch"]
     assert all(b.is_file() for b in base.extras.backports)
-    assert "current_device_name()" not in (base.folder / "fix-cpu-test-harness.patch").read_text().split("\ndiff ", 1)[1]
+    hunks = (base.folder / "fix-cpu-test-harness.patch").read_text().split("\ndiff ", 1)[1]
+    assert "current_device_name()" not in hunks
 
 
 def test_upstream_files_are_pinned_and_required_for_a_development_tree(tmp_path, monkeypatch, sdist):
