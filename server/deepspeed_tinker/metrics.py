@@ -173,7 +173,8 @@ class _LiveCollector(Collector):
         yield rate
         memory = GaugeMetricFamily("tinker_rank_memory_bytes", "Each rank's memory: rss (the process), engines "
                                    "(parameters, gradients and optimizer state of its training engines), "
-                                   "device_allocated (CUDA)", labels=["rank", "kind"])
+                                   "snapshots (the sampler snapshots it holds), device_allocated (CUDA)",
+                                   labels=["rank", "kind"])
         try:
             per_rank = metrics.rank_memory()
         except Exception as e:  # a scrape must not fail on a rank that is gone
@@ -230,9 +231,10 @@ def engine_bytes(models: list[Any]) -> int:
 
 
 def rank_memory(worker: Any) -> dict[str, float]:
-    """This rank's memory now: process RSS, the engines' tensors, CUDA memory allocated."""
+    """This rank's memory now: process RSS, the engines' tensors, the sampler snapshots, CUDA memory allocated."""
     values: dict[str, float] = {"rss": float(psutil.Process().memory_info().rss), "time": time.time()}
     values["engines"] = float(engine_bytes(list(worker.models.values())))
+    values["snapshots"] = float(worker.samplers.held_bytes())
     if worker.device.type == "cuda":
         import torch
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import collections
 import json
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import numpy as np
 import torch
@@ -123,9 +123,18 @@ class SamplerPool:
                                             or self.held_bytes() > self.max_bytes):
             self._snapshots.popitem(last=False)
 
+    def drop(self, snapshot_ids: Iterable[str]) -> None:
+        """Let go of these snapshots (those not held any more are skipped)."""
+        for snapshot_id in snapshot_ids:
+            self._snapshots.pop(snapshot_id, None)
+            for key, loaded in self._loaded.items():
+                if loaded == snapshot_id:
+                    self._loaded[key] = ""
+
     def held_bytes(self) -> int:
         """Bytes of the snapshots held (each tensor once)."""
-        return tensor_bytes(t for weights in self._snapshots.values() for t in weights.values())
+        # list(): /metrics reads this from another thread while the rank's jobs change the pool
+        return tensor_bytes(t for weights in list(self._snapshots.values()) for t in weights.values())
 
     def _weights(self, ref: SnapshotRef) -> dict[str, torch.Tensor]:
         if ref.snapshot_id in self._snapshots:

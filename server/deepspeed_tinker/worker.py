@@ -14,7 +14,7 @@ import inspect
 import json
 import os
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -149,6 +149,8 @@ class TrainingModel:
     version: int = 0
     #: (version, tensors) of this model's latest sampler snapshot.
     last_snapshot: tuple[int, dict[str, torch.Tensor]] | None = None
+    #: Its unnamed sampler snapshots (only its own session's samplers use them): its unload drops them.
+    snapshot_ids: set[str] = field(default_factory=set)
 
 
 class Worker:
@@ -182,6 +184,7 @@ class Worker:
                 # Removes the optimizer's gradient hooks (held by autograd, out of the garbage collector's sight),
                 # which otherwise keep the engine and all its tensors alive.
                 gone.engine.destroy()
+                self.samplers.drop(gone.snapshot_ids)
             if gone is not None and not any(m.base_model == gone.base_model and m.lora is not None
                                             for m in self.models.values()):
                 self.bases.pop(gone.base_model, None)  # its last LoRA client is gone
@@ -328,6 +331,8 @@ class Worker:
             weights = capture_weights(model.engine, self.zero_stage, trainable_only=model.lora is not None)
         self.samplers.keep(job["snapshot_id"], weights)
         model.last_snapshot = (model.version, weights)
+        if not job.get("dir"):
+            model.snapshot_ids.add(job["snapshot_id"])
         if job.get("dir") and self.rank == 0:
             with replacing(Path(job["dir"])) as directory:
                 write_weights(directory, model.engine.module, weights, job["meta"]["base_model"])

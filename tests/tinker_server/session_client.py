@@ -1,9 +1,10 @@
 """A tinker SDK client the session tests drop: ``python session_client.py BASE_URL API_KEY N RANK``.
 
 It opens N LoRA training clients in one ServiceClient, takes one step on each (so every engine holds gradients and
-Adam state), prints ``READY <model ids as JSON>`` and waits for a line on stdin. The test freezes it meanwhile
-(SIGSTOP: no heartbeats, as a hung or crashed client) until the server closes its session; then it is let go and
-tries one more step on each client, printing ``RAISED <exception type>: <message>`` (or ``OK``) per client.
+Adam state) and an unnamed sampler snapshot of each (held in the ranks' sampler pools), prints ``READY <model ids as
+JSON>`` and waits for a line on stdin. The test freezes it meanwhile (SIGSTOP: no heartbeats, as a hung or crashed
+client) until the server closes its session; then it is let go and tries one more step on each client, printing
+``RAISED <exception type>: <message>`` (or ``OK``) per client.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ def main() -> None:
     for client in clients:
         client.forward_backward(data, "cross_entropy").result(timeout=300)
         client.optim_step(types.AdamParams(learning_rate=1e-3)).result(timeout=300)
+        client.save_weights_and_get_sampling_client().result(timeout=300)
     print("READY", json.dumps([client.model_id for client in clients]), flush=True)
     sys.stdin.readline()
     for client in clients:

@@ -51,10 +51,10 @@ def scrape(base_url: str) -> dict[tuple[str, tuple], float]:
             for family in text_string_to_metric_families(text) for sample in family.samples}
 
 
-def engines_bytes(base_url: str) -> list[float]:
-    """Each rank's tracked engine memory (parameters, gradients, optimizer state)."""
+def engines_bytes(base_url: str, kind: str = "engines") -> list[float]:
+    """Each rank's tracked engine memory (parameters, gradients, optimizer state), or another kind of its memory."""
     metrics = scrape(base_url)
-    return [metrics[("tinker_rank_memory_bytes", (("kind", "engines"), ("rank", str(rank))))] for rank in (0, 1)]
+    return [metrics[("tinker_rank_memory_bytes", (("kind", kind), ("rank", str(rank))))] for rank in (0, 1)]
 
 
 def ranks_rss(server) -> int:
@@ -74,9 +74,10 @@ def wait_until(condition, timeout_s: float, what: str, every_s: float = 0.5):
 
 
 def settled(server) -> bool:
-    """No open session and no engine on any rank, as reported by the ranks (every 2 s)."""
+    """No open session, and no engine and no sampler snapshot on any rank, as reported by the ranks (every 2 s)."""
     metrics = scrape(server.base_url)
-    return metrics[("tinker_sessions", ())] == 0 and engines_bytes(server.base_url) == [0.0, 0.0]
+    return (metrics[("tinker_sessions", ())] == 0 and engines_bytes(server.base_url) == [0.0, 0.0]
+            and engines_bytes(server.base_url, "snapshots") == [0.0, 0.0])
 
 
 def drop_clients(server, count: int, rank: int) -> tuple[subprocess.Popen, list[str]]:
@@ -106,6 +107,8 @@ def test_a_dropped_clients_sessions_are_closed_and_their_memory_returns(service_
     time.sleep(3)
     loaded, peak = engines_bytes(server.base_url), ranks_rss(server)
     assert min(loaded) > 5e6, f"six rank-64 LoRA engines on each rank: {loaded}"
+    snapshots = engines_bytes(server.base_url, "snapshots")
+    assert min(snapshots) > 0, f"six LoRA snapshots on each rank: {snapshots}"
     # A request held back behind a seq_id that never comes: pending until the session closes.
     held = post(server.base_url, "optim_step", {"model_id": model_ids[0], "seq_id": 50, "adam_params": {}})
     assert poll_once(server.base_url, held["request_id"]).get("type") == "try_again"
@@ -120,7 +123,8 @@ def test_a_dropped_clients_sessions_are_closed_and_their_memory_returns(service_
     after = ranks_rss(server)
     grown, left = peak - baseline, after - baseline
     print(f"RSS of the server: baseline {baseline / 2**20:.0f} MiB, with 6 dropped clients +{grown / 2**20:.1f} MiB, "
-          f"{closed_after:.1f} s after the drop +{left / 2**20:.1f} MiB; engines per rank {loaded} -> 0")
+          f"{closed_after:.1f} s after the drop +{left / 2**20:.1f} MiB; engines per rank {loaded} -> 0, "
+          f"sampler snapshots {snapshots} -> 0")
     assert grown > 8 * 2**20, "the clients' engines should show in the processes' memory"
     assert left < 0.5 * grown, f"the memory did not return: +{grown} bytes with the clients, +{left} after"
 
