@@ -2,6 +2,7 @@
 # The whole test suite, from a fresh machine, in one command:
 #
 #   bash tools/test.sh [pytest options, e.g. --upto 1 --world-sizes 1,2 -x]
+#   bash tools/test.sh -n 0                # one process (pytest-xdist's default here: one worker per core, at most 4)
 #   bash tools/test.sh --install-only      # only create/update the environment
 #   DS_SERIES_BASE=0.19.3 bash tools/test.sh   # the same for DeepSpeed 0.19.3 + its independent series
 #
@@ -9,7 +10,9 @@
 # default), installs into it torch 2.13.0, the pinned requirements, this project the README's way (`pip install .`:
 # DeepSpeed 0.19.8 with its whole follow-up series; with DS_SERIES_BASE=0.19.3, 0.19.3 with its series) and our own
 # packages, editable (DS_SERIES_PACKAGES: the tooling ds_series, the
-# test harness ds_harness, the benchmarks ds_bench, the Tinker server deepspeed_tinker), then runs `python -m pytest` over tests/. A later run skips the installs
+# test harness ds_harness, the benchmarks ds_bench, the Tinker server deepspeed_tinker), then runs `python -m pytest` over
+# tests/ on one pytest-xdist worker per core, at most 4 (a test file stays on one worker, with its module fixtures: the
+# Tinker server tests start servers per file). A later run skips the installs
 # unless a requirements file, the patches or the build tooling changed, or the installed DeepSpeed is
 # not the full series (e.g. after `ds-series-stack install --upto K`).
 #
@@ -41,7 +44,8 @@ DS_SERIES_REQUIREMENTS=(requirements/runtime.txt requirements/dev.txt requiremen
 # are their dependencies.
 DS_SERIES_PACKAGES=(tools harness benchmarks server)
 
-_ds_series_log() { echo "[tools/test.sh] $*" >&2; }
+# Each line says how long the script has run: an install step that takes minutes shows in CI's log.
+_ds_series_log() { echo "[tools/test.sh +${SECONDS}s] $*" >&2; }
 
 # A digest of everything the environment is built from.
 _ds_series_inputs_digest() {
@@ -140,8 +144,15 @@ if [[ "${BASH_SOURCE[0]}" == "$0" ]]; then
     ds_series_setup
     [[ "${1:-}" == "--install-only" ]] && exit 0
     cd "$DS_SERIES_ROOT"
+    # Half of the suite waits (servers starting, long polls, heartbeats, timeouts) with the cores idle: the test files
+    # run on one worker per core, at most 4 (each worker keeps rank pools for world sizes up to 4). `-n` given, or
+    # `-p no:xdist`, decides instead.
+    workers=()
+    if [[ " $* " != *" -n "* && " $* " != *" -n"[0-9]* && " $* " != *"--numprocesses"* && " $* " != *"no:xdist"* ]]; then
+        workers=(-n "$(($(nproc) < 4 ? $(nproc) : 4))" --dist loadfile)
+    fi
     rc=0
-    "$DS_SERIES_PY" -m pytest "$@" || rc=$?
+    "$DS_SERIES_PY" -m pytest "${workers[@]}" "$@" || rc=$?
     if [[ $rc -eq 5 ]]; then
         _ds_series_log "error: pytest collected no tests (exit 5); that is a failure here"
         exit 1
