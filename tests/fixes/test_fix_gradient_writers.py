@@ -314,7 +314,9 @@ def test_zenflow_overlapped_step_adds_no_stale_host_gradient(dist):
 def _read_gradient_of_a_parameter_without_one(path_name: str) -> None:
     """Step 0 uses both heads, step 1 head a only: before step 1's step(), safe_get_full_grad() of head b reads zero,
     not step 0's gradient, as ZeRO-1/2 without offload reads it. With optimizer offload the fix zeroes a stale fp32
-    gradient slice only when something reads or steps on it (0.19.8 reads step 0's gradient)."""
+    gradient slice only when something reads or steps on it (0.19.8 reads step 0's gradient). ZeRO-3 reads the
+    gradient partition, which the fix clears after each step (0.19.8 reads step 0's); with offload it reads the fp32
+    partition, which nothing finishes before step()."""
     from deepspeed.utils import safe_get_full_grad
     from ds_harness.support.training import destroy, forward_loss
 
@@ -335,7 +337,16 @@ def _read_gradient_of_a_parameter_without_one(path_name: str) -> None:
 @pytest.mark.world_size(2)
 @pytest.mark.parametrize("path_name", [
     pytest.param("zero1", marks=pytest.mark.passes_on_pristine), "zero1-offload",
-    pytest.param("zero2", marks=pytest.mark.passes_on_pristine), "zero2-offload"
+    pytest.param("zero2", marks=pytest.mark.passes_on_pristine), "zero2-offload",
+    _of_its_fix("zero3"),
+    pytest.param("zero3-offload",
+                 marks=[
+                     pytest.mark.pr("fix-zero3-stale-grad-partitions"),
+                     pytest.mark.xfail(strict=True,
+                                       reason="ZeRO-3 with offload reads the fp32 gradient partition, which only "
+                                       "step()'s completion (_pre_step) finishes for a partition the boundary "
+                                       "backward missed: before step() it reads the last step's gradient")
+                 ])
 ])
 def test_gradient_read_of_a_parameter_without_one_is_zero(dist, path_name):
     dist.run(_read_gradient_of_a_parameter_without_one, path_name)
