@@ -344,8 +344,8 @@ def _read_gradient_of_a_parameter_without_one(path_name: str) -> None:
                      pytest.mark.pr("fix-zero3-stale-grad-partitions"),
                      pytest.mark.xfail(strict=True,
                                        reason="ZeRO-3 with offload reads the fp32 gradient partition, which only "
-                                       "step()'s completion (_pre_step) finishes for a partition the boundary "
-                                       "backward missed: before step() it reads the last step's gradient")
+                                       "step() finishes for a partition the boundary backward missed: before "
+                                       "step() it reads the last step's gradient (both series)")
                  ])
 ])
 def test_gradient_read_of_a_parameter_without_one_is_zero(dist, path_name):
