@@ -464,27 +464,31 @@ def test_compact_gradient_buffer_with_offload_matches_no_offload(dist, stage, n,
     dist.run(_compact_buffer_offload_matches_no_offload, stage, n, managed)
 
 
-def _grad_norms(path: Path, n: int) -> list:
-    """The global gradient norm of each of 4 managed steps of GAS ``n``. At lr 0 the weights stay the initial ones,
-    whatever ZenFlow's update schedule; the norm is taken over the gradient partitions the step consumes (with
-    offload, the per-partition norms the boundary and step() record), so a stale partition or one the step lost
-    changes it."""
+def _grad_norms(path: Path, n: int, managed: bool = True) -> list:
+    """The global gradient norm of each of 4 steps of ``n`` micro-batches (managed: GAS ``n``; unmanaged: ``n``
+    backward passes, then step()). At lr 0 the weights stay the initial ones, whatever ZenFlow's update schedule;
+    the norm is taken over the gradient partitions the step consumes (with offload, the per-partition norms the
+    boundary and step() record), so a stale partition or one the step lost changes it."""
     from ds_harness.support.training import destroy, forward_loss
 
-    engine = path.initialize(gas=n, managed=None)
+    engine = path.initialize(gas=n if managed else 1, managed=None if managed else False)
     norms = []
     for step in range(4):
         for i in range(n):
             engine.backward(forward_loss(engine, step, i))
+            if managed:
+                engine.step()
+        if not managed:
             engine.step()
         norms.append(float(engine.get_global_grad_norm()))
     destroy(engine)
     return norms
 
 
-def _pytorch_grad_norms(model_fn, n: int) -> list:
+def _pytorch_grad_norms(model_fn, n: int, managed: bool = True) -> list:
     """Plain PyTorch at the initial weights: the norm of each step's gradient over the global batch (the mean loss
-    of every micro-batch of every rank), a parameter without a gradient counting zero."""
+    of every micro-batch of every rank; unmanaged, the sum over the backward passes of their mean over the ranks),
+    a parameter without a gradient counting zero."""
     import torch
     import deepspeed.comm as ds_comm
     from ds_harness.support import training
@@ -499,19 +503,20 @@ def _pytorch_grad_norms(model_fn, n: int) -> list:
             for index in range(n):
                 training._CURRENT = (step, index)  # the branch model's control flow reads it
                 x, y = training.micro_batch(step, index, rank=rank)
-                (training.loss_fn(model(x), y) / (n * world_size)).backward()
+                (training.loss_fn(model(x), y) / ((n if managed else 1) * world_size)).backward()
         norms.append(float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()]))))
     return norms
 
 
-def _zenflow_norms_match_pytorch(stage: int, overlap_step: bool, n: int, model_fn) -> None:
-    actual = _grad_norms(_zenflow(overlap_step, stage, model_fn), n)
-    expected = _pytorch_grad_norms(model_fn, n)
+def _zenflow_norms_match_pytorch(stage: int, overlap_step: bool, n: int, model_fn, managed: bool = True) -> None:
+    actual = _grad_norms(_zenflow(overlap_step, stage, model_fn), n, managed)
+    expected = _pytorch_grad_norms(model_fn, n, managed)
     # Transposed partitions (ZenFlow), per-partition fp64 norms and another reduction order: the last bits; a stale
     # or lost partition of the branch moves the norm by far more
     assert actual == pytest.approx(expected, rel=1e-5), (
-        f"ZenFlow ZeRO-{stage} ({'overlapped' if overlap_step else 'sequential'} step), GAS={n}: gradient norms per "
-        f"step {actual}, PyTorch's {expected}")
+        f"ZenFlow ZeRO-{stage} ({'overlapped' if overlap_step else 'sequential'} step), "
+        f"{f'GAS={n}' if managed else f'unmanaged, {n} backward passes'}: gradient norms per step {actual}, "
+        f"PyTorch's {expected}")
 
 
 # At ZeRO-2 with GAS 1 the norm cannot tell: a parameter without a gradient in the step is left out of it, stale
@@ -592,3 +597,18 @@ def test_deepcompile_without_offload_matches_pytorch(dist, stage, n):
     it as it was."""
     _skip_without_cuda("DeepCompile")
     dist.run(_deepcompile_matches_pytorch, stage, n)
+
+
+@pytest.mark.base("0.19.8", reason="the 0.19.3 series refuses ZenFlow with managed_gradient_accumulation=false")
+@pytest.mark.world_size(1, 2)
+@pytest.mark.parametrize("overlap_step", [False, True], ids=["sequential", "overlapped"])
+def test_zenflow_unmanaged_step_steps_on_this_steps_gradients(dist, overlap_step):
+    """0.19.8 accepts ZenFlow with managed_gradient_accumulation=false. At ZeRO-2 the engine's unmanaged finalize
+    (``finalize_gradient_accumulation_boundary()``, before either ZenFlow step()) copies every pending gradient into
+    the fp32 partitions, through ZenFlow's copy override with its overlapped step: on the branch model, two backward
+    passes per step, the gradient norm per step is PyTorch's at lr 0, for both ZenFlow steps. ZenFlow runs only on
+    CUDA GPUs: the multi-GPU workflow runs this; skipped on CPU."""
+    from ds_harness.support.paths import make_branchy_model
+
+    _skip_without_cuda("ZenFlow")
+    dist.run(_zenflow_norms_match_pytorch, 2, overlap_step, 2, make_branchy_model, False)
