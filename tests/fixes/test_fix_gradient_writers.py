@@ -15,10 +15,10 @@ on. Here each writer of 0.19.8 besides the base reduce path (which the other fil
 - The compact gradient buffer (bf16 with fp32 gradient accumulation) with CPU offload, both modes (CPU), against the
   same engine without offload.
 - GPU-only, skipped on the CPU accelerator and run by the multi-GPU workflow (it runs the whole suite): ZenFlow
-  with its sequential step at ZeRO-2 and ZeRO-3 (gradient norms against PyTorch at lr 0), ZenFlow's overlapped step
-  at ZeRO-2 (against its sequential one) and at ZeRO-3 (only where 0.19.8 was right), DeepCompile without offload
-  at ZeRO-1 and ZeRO-3 against PyTorch. (DeepCompile ZeRO-3 with offload and SuperOffload:
-  test_fix_zero3_stale_grad_partitions.py.)
+  with its sequential step at ZeRO-2 and ZeRO-3 and, unmanaged, both ZenFlow steps at ZeRO-2 (gradient norms
+  against PyTorch at lr 0), ZenFlow's overlapped step at ZeRO-2 (against its sequential one) and at ZeRO-3 (only
+  where 0.19.8 was right), DeepCompile without offload at ZeRO-1 and ZeRO-3 against PyTorch. (DeepCompile ZeRO-3
+  with offload and SuperOffload: test_fix_zero3_stale_grad_partitions.py.)
 
 The ZeRO-3 cases belong to fix-zero3-stale-grad-partitions, the others to fix-zero-offload-stale-grads.
 """
