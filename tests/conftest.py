@@ -86,8 +86,9 @@ def pytest_configure(config: pytest.Config) -> None:
         f"`dist` fixture (default {DEFAULT_WORLD_SIZE})")
     config.addinivalue_line("markers", "rank_timeout(seconds): this test's timeout on its ranks")
     config.addinivalue_line(
-        "markers", "passes_on_pristine: a test of a fix-* PR that is no regression test (it checks what the fix "
-        "leaves unchanged, so it passes without the fix too): --regressions-on-pristine leaves it out")
+        "markers", "passes_on_pristine(*bases): a test of a fix-* PR that is no regression test (it checks what the "
+        "fix leaves unchanged, so it passes without the fix too): --regressions-on-pristine leaves it out; with "
+        "bases, only on those (a regression test on the others)")
     if config.getoption("rank_timeout") is not None:
         SETTINGS.timeout = config.getoption("rank_timeout")
 
@@ -156,7 +157,9 @@ def _other_base(item: pytest.Item) -> str | None:
 
 def _is_regression_test(item: pytest.Item, name: str | None) -> bool:
     """Whether a test is a regression test of a bug-fix PR, one that must fail without the fix."""
-    return name is not None and name.startswith(FIX_PREFIX) and item.get_closest_marker("passes_on_pristine") is None
+    passes = item.get_closest_marker("passes_on_pristine")
+    passes_here = passes is not None and (not passes.args or BASE.version in passes.args)
+    return name is not None and name.startswith(FIX_PREFIX) and not passes_here
 
 
 def _check_pristine() -> None:

@@ -327,7 +327,8 @@ def test_regressions_on_pristine_refuse_a_patched_deepspeed(tmp_path):
 
 def test_regressions_on_pristine_leave_out_what_passes_on_pristine(tmp_path):
     """A test of a fix-* PR marked passes_on_pristine (what the fix leaves unchanged) is no regression test: not
-    run as a strict xfail on pristine, run as usual on the series."""
+    run as a strict xfail on pristine, run as usual on the series. Marked passes_on_pristine for other bases only,
+    it is a regression test here."""
     pristine, series = tmp_path / "pristine", tmp_path / "series"
     for folder in (pristine, series):
         folder.mkdir()
@@ -337,11 +338,16 @@ def test_regressions_on_pristine_leave_out_what_passes_on_pristine(tmp_path):
             @pytest.mark.passes_on_pristine
             def test_unchanged_by_the_fix():
                 pass
+
+            @pytest.mark.pr("fix-thing")
+            @pytest.mark.passes_on_pristine("0.0.1")
+            def test_passes_on_the_pristine_of_another_base_only():
+                assert False
         """))
     rc, out = _child_pytest(pristine, "--regressions-on-pristine", installed_version="0.19.3+unmanagedga.0")
-    assert rc == 0 and "3 deselected, 1 xfailed" in out, out
+    assert rc == 0 and "3 deselected, 2 xfailed" in out, out
     rc, out = _child_pytest(series, "--upto", "fix-thing", "-k", "unchanged")
-    assert rc == 0 and "1 passed, 3 deselected" in out, out
+    assert rc == 0 and "1 passed, 4 deselected" in out, out
     assert "PytestUnknownMarkWarning" not in out, out
 
 
