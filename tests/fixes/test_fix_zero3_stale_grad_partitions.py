@@ -352,3 +352,56 @@ def _skipped_step_leaves_nothing(offload: bool) -> None:
 @pytest.mark.parametrize("offload", [False, True], ids=["zero3-fp16", "zero3-offload-fp16"])
 def test_a_skipped_overflow_step_changes_nothing_for_later_steps(dist, offload):
     dist.run(_skipped_step_leaves_nothing, offload)
+
+
+#: Plain SGD (no momentum, no weight decay): a step on a zero gradient leaves a parameter bitwise where it was.
+SGD_LR = 0.5
+SGD = {
+    "optimizer": {
+        "type": "SGD",
+        "params": {
+            "lr": SGD_LR,
+            "weight_decay": None,  # merged into base_config's AdamW parameters: None removes the key
+            "torch_adam": None
+        }
+    },
+    "zero_force_ds_cpu_optimizer": False,
+    "zero_allow_untested_optimizer": True,
+}
+
+
+def _set_gradient_is_used_once(offload: bool, managed: bool) -> None:
+    """Step 0 uses both heads; step 1 head a only, and head b's gradient is set before its step(); step 2 head a only
+    again. Head b moves by lr times the value set in step 1 and not at all in step 2: the value set is that step's
+    gradient, not one the next step finds in the partition."""
+    import torch
+    from deepspeed.utils import safe_get_full_fp32_param, safe_set_full_grad
+    from ds_harness.support.training import destroy, forward_loss
+
+    zero = {**ZERO3, "offload_optimizer": {"device": "cpu"}} if offload else ZERO3
+    path = _two_head(Path(3, "fp32", {**SGD, "zero_optimization": zero}))
+    engine = path.initialize(gas=1, managed=None if managed else False)
+    head_b = dict(engine.module.head_b.named_parameters())
+    for step, heads in enumerate(["ab", "a", "a"]):
+        engine.module.use = heads
+        engine.backward(forward_loss(engine, step, 0))
+        before = {name: safe_get_full_fp32_param(p).clone() for name, p in head_b.items()}
+        if step == 1:
+            for p in head_b.values():
+                safe_set_full_grad(p, torch.full(p.ds_shape, 0.25))
+        engine.step()
+        if step > 0:
+            for name, p in head_b.items():
+                after = safe_get_full_fp32_param(p)
+                by = SGD_LR * 0.25 if step == 1 else 0.0
+                assert torch.equal(after, before[name] - by), (
+                    f"step {step}: head_b.{name} moved by {(before[name] - after).abs().max().item():g}, "
+                    f"not by {by:g}")
+    destroy(engine)
+
+
+@pytest.mark.world_size(1, 2)
+@pytest.mark.parametrize("managed", [True, False], ids=["managed", "unmanaged"])
+@pytest.mark.parametrize("offload", [False, True], ids=["zero3", "zero3-offload"])
+def test_a_gradient_set_before_step_is_not_used_by_the_next_step(dist, offload, managed):
+    dist.run(_set_gradient_is_used_once, offload, managed)
