@@ -15,8 +15,10 @@ previous step used and this one missed (a quarter of the partition).
 
 ``--stage 3`` times fix-zero3-stale-grad-partitions' work instead: the pass at ``step()`` over the partitions the
 boundary backward did not reach (0.19.3: ``_copy_unreached_grad_partitions_to_fp32_partitions()``, 0.19.8:
-``_finalize_offload_gradient_accumulation()``) and the memset of the flat
-gradient-partition buffer after the update (``_clear_grad_partitions()``, in host memory with offload).
+``_finalize_offload_gradient_accumulation()``) and the clearing of the gradient partitions (in host memory with
+offload): on 0.19.8 the zeroing at ``step()`` of the partitions an earlier step wrote and this one did not
+(``_zero_stale_grad_partitions()``), with the memset of the whole flat buffer that the fix's previous revision ran
+after every update timed beside it as "old memset"; on 0.19.3 that memset itself (``_clear_grad_partitions()``).
 
 Run it in an environment with the fix PRs installed (``python -m ds_series.stack [--base 0.19.3] install --upto 3``
 or more), with ``TORCH_EXTENSIONS_DIR`` where that environment's ops are built (tools/test.sh:
@@ -39,7 +41,7 @@ TIMED = {
     2: (("_finalize_offloaded_gradients", "_finalize_cpu_offload_gradient_accumulation"), ("reset_cpu_buffers", ),
         ("step", )),
     3: (("_copy_unreached_grad_partitions_to_fp32_partitions", "_finalize_offload_gradient_accumulation"),
-        ("_clear_grad_partitions", ), ("step", )),
+        ("_zero_stale_grad_partitions", "_clear_grad_partitions"), ("step", )),
 }
 
 
@@ -98,8 +100,11 @@ def _rank_body(stage: int, layers: int, steps: int) -> dict:
         name = next(name for name in names if hasattr(optimizer, name))
         setattr(optimizer, name, _timed(record, name, getattr(optimizer, name)))
 
-    if stage == 3:
+    if stage == 3 and not hasattr(optimizer, "_zero_stale_grad_partitions"):
         timed_memset = lambda: None  # noqa: E731 - _clear_grad_partitions() is ZeRO-3's memset, timed above
+        elements = optimizer.grad_partitions_flat_buffer.numel()
+    elif stage == 3:
+        timed_memset = _timed(record, "old memset", optimizer.grad_partitions_flat_buffer.zero_)
         elements = optimizer.grad_partitions_flat_buffer.numel()
     else:
 
