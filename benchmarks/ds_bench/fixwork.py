@@ -16,7 +16,9 @@ previous step used and this one missed (a quarter of the partition).
 ``--stage 3`` times fix-zero3-stale-grad-partitions' work instead: the pass at ``step()`` over the partitions the
 boundary backward did not reach (0.19.3: ``_copy_unreached_grad_partitions_to_fp32_partitions()``, 0.19.8:
 ``_finalize_offload_gradient_accumulation()``) and the memset of the flat
-gradient-partition buffer after the update (``_clear_grad_partitions()``, in host memory with offload).
+gradient-partition buffer after the update (``_clear_grad_partitions()``, in host memory with offload), or, where the
+fix zeroes only the partitions an earlier step wrote and this one did not, that zeroing at the start of ``step()``
+(0.19.3: ``_clear_stale_grad_partitions()``). A method the installed DeepSpeed lacks is left out.
 
 Run it in an environment with the fix PRs installed (``python -m ds_series.stack [--base 0.19.3] install --upto 3``
 or more), with ``TORCH_EXTENSIONS_DIR`` where that environment's ops are built (tools/test.sh:
@@ -39,7 +41,7 @@ TIMED = {
     2: (("_finalize_offloaded_gradients", "_finalize_cpu_offload_gradient_accumulation"), ("reset_cpu_buffers", ),
         ("step", )),
     3: (("_copy_unreached_grad_partitions_to_fp32_partitions", "_finalize_offload_gradient_accumulation"),
-        ("_clear_grad_partitions", ), ("step", )),
+        ("_clear_stale_grad_partitions", ), ("_clear_grad_partitions", ), ("step", )),
 }
 
 
@@ -95,8 +97,9 @@ def _rank_body(stage: int, layers: int, steps: int) -> dict:
     optimizer = engine.optimizer
     record: dict = {}
     for names in TIMED[stage]:
-        name = next(name for name in names if hasattr(optimizer, name))
-        setattr(optimizer, name, _timed(record, name, getattr(optimizer, name)))
+        name = next((name for name in names if hasattr(optimizer, name)), None)
+        if name is not None:
+            setattr(optimizer, name, _timed(record, name, getattr(optimizer, name)))
 
     if stage == 3:
         timed_memset = lambda: None  # noqa: E731 - _clear_grad_partitions() is ZeRO-3's memset, timed above
