@@ -16,9 +16,11 @@ previous step used and this one missed (a quarter of the partition).
 ``--stage 3`` times fix-zero3-stale-grad-partitions' work instead: the pass at ``step()`` over the partitions the
 boundary backward did not reach (0.19.3: ``_copy_unreached_grad_partitions_to_fp32_partitions()``, 0.19.8:
 ``_finalize_offload_gradient_accumulation()``) and the clearing of the gradient partitions (in host memory with
-offload): on 0.19.8 the zeroing at ``step()`` of the partitions an earlier step wrote and this one did not
-(``_zero_stale_grad_partitions()``), with the memset of the whole flat buffer that the fix's previous revision ran
-after every update timed beside it as "old memset"; on 0.19.3 that memset itself (``_clear_grad_partitions()``).
+offload): the zeroing at ``step()`` of the partitions an earlier step wrote and this one did not (0.19.8:
+``_zero_stale_grad_partitions()``, 0.19.3: ``_clear_stale_grad_partitions()``), with the memset of the whole flat
+buffer that the fix's previous revision ran after every update timed beside it as "old memset"; where the installed
+fix still runs that memset, the memset itself (``_clear_grad_partitions()``). A method the installed DeepSpeed lacks
+is left out.
 
 Run it in an environment with the fix PRs installed (``python -m ds_series.stack [--base 0.19.3] install --upto 3``
 or more), with ``TORCH_EXTENSIONS_DIR`` where that environment's ops are built (tools/test.sh:
@@ -41,7 +43,7 @@ TIMED = {
     2: (("_finalize_offloaded_gradients", "_finalize_cpu_offload_gradient_accumulation"), ("reset_cpu_buffers", ),
         ("step", )),
     3: (("_copy_unreached_grad_partitions_to_fp32_partitions", "_finalize_offload_gradient_accumulation"),
-        ("_zero_stale_grad_partitions", "_clear_grad_partitions"), ("step", )),
+        ("_zero_stale_grad_partitions", "_clear_stale_grad_partitions", "_clear_grad_partitions"), ("step", )),
 }
 
 
@@ -97,10 +99,13 @@ def _rank_body(stage: int, layers: int, steps: int) -> dict:
     optimizer = engine.optimizer
     record: dict = {}
     for names in TIMED[stage]:
-        name = next(name for name in names if hasattr(optimizer, name))
-        setattr(optimizer, name, _timed(record, name, getattr(optimizer, name)))
+        name = next((name for name in names if hasattr(optimizer, name)), None)
+        if name is not None:
+            setattr(optimizer, name, _timed(record, name, getattr(optimizer, name)))
 
-    if stage == 3 and not hasattr(optimizer, "_zero_stale_grad_partitions"):
+    stale_clearing = any(
+        hasattr(optimizer, name) for name in ("_zero_stale_grad_partitions", "_clear_stale_grad_partitions"))
+    if stage == 3 and not stale_clearing:
         timed_memset = lambda: None  # noqa: E731 - _clear_grad_partitions() is ZeRO-3's memset, timed above
         elements = optimizer.grad_partitions_flat_buffer.numel()
     elif stage == 3:

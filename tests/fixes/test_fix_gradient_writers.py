@@ -315,8 +315,9 @@ def _read_gradient_of_a_parameter_without_one(path_name: str) -> None:
     """Step 0 uses both heads, step 1 head a only: before step 1's step(), safe_get_full_grad() of head b reads zero,
     not step 0's gradient, as ZeRO-1/2 without offload reads it. With optimizer offload the fix zeroes a stale fp32
     gradient slice only when something reads or steps on it (0.19.8 reads step 0's gradient). ZeRO-3 reads the
-    gradient partition, which the fix clears after each step (0.19.8 reads step 0's); with offload it reads the fp32
-    partition, which nothing finishes before step()."""
+    gradient partition, which the fix zeroes once a step has left it stale (0.19.8 reads step 0's); with offload,
+    before step() has finished the fp32 partition, the gradient partition that step() will copy (0.19.8 reads the fp32
+    partition, which holds step 0's)."""
     from deepspeed.utils import safe_get_full_grad
     from ds_harness.support.training import destroy, forward_loss
 
@@ -339,14 +340,7 @@ def _read_gradient_of_a_parameter_without_one(path_name: str) -> None:
     pytest.param("zero1", marks=pytest.mark.passes_on_pristine), "zero1-offload",
     pytest.param("zero2", marks=pytest.mark.passes_on_pristine), "zero2-offload",
     _of_its_fix("zero3"),
-    pytest.param("zero3-offload",
-                 marks=[
-                     pytest.mark.pr("fix-zero3-stale-grad-partitions"),
-                     pytest.mark.xfail(strict=True,
-                                       reason="ZeRO-3 with offload reads the fp32 gradient partition, which only "
-                                       "step() finishes for a partition the boundary backward missed: before "
-                                       "step() it reads the last step's gradient (both series)")
-                 ])
+    _of_its_fix("zero3-offload"),
 ])
 def test_gradient_read_of_a_parameter_without_one_is_zero(dist, path_name):
     dist.run(_read_gradient_of_a_parameter_without_one, path_name)

@@ -297,21 +297,10 @@ def _read_before_every_step(path_name: str, managed: bool) -> None:
     destroy(engine)
 
 
-def _offload_read_case(path_name: str):
-    # The 0.19.3 series' fix reads the fp32 partition there, which only step() fills for a partition the boundary
-    # backward did not reach
-    return pytest.param(path_name,
-                        marks=pytest.mark.base("0.19.8",
-                                               reason="the 0.19.3 series reads the fp32 gradient partition with "
-                                               "optimizer offload, which holds an earlier step's gradient until "
-                                               "step() for a partition the boundary backward did not reach"))
-
-
 @pytest.mark.world_size(1, 2)
 @pytest.mark.parametrize("managed", [True, False], ids=["managed", "unmanaged"])
 @pytest.mark.parametrize("path_name",
-                         ["zero3", _offload_read_case("zero3-offload"),
-                          _offload_read_case("zero3-offload-nvme")])
+                         ["zero3", "zero3-offload", "zero3-offload-nvme"])
 def test_a_gradient_read_before_step_is_this_steps(dist, path_name, managed):
     dist.run(_read_before_every_step, path_name, managed)
 
