@@ -91,6 +91,8 @@ def pytest_configure(config: pytest.Config) -> None:
         "bases, only on those (a regression test on the others)")
     if config.getoption("rank_timeout") is not None:
         SETTINGS.timeout = config.getoption("rank_timeout")
+    if config.getoption("regressions_on_pristine"):
+        SETTINGS.keep_pool_after_every_rank_raised = True
 
 
 def _upto(config: pytest.Config) -> int | None:

@@ -3,7 +3,9 @@
 Starting W processes, importing torch/DeepSpeed and rendezvousing costs seconds on a
 2-core machine; reusing the group across tests is what makes hundreds of engine tests fit
 in CI. A group that saw an error, a death or a timeout may hold half-finished collectives,
-so it is killed and the next test gets a fresh one.
+so it is killed and the next test gets a fresh one (under ``--regressions-on-pristine``, where
+every test fails by design, a group whose every rank raised is kept: see
+``Settings.keep_pool_after_every_rank_raised``).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from . import launch, ranks
 from . import protocol as P
 from .errors import PoolStartError
 from .worker import BOOT, STACK_SIGNAL
+
 
 class RankPool:
     """W rank processes sharing one initialised process group."""

@@ -29,6 +29,10 @@ class Settings:
     seed: int = 1234
     init: str = os.environ.get("DS_HARNESS_INIT", "auto")
     """How ranks initialise: ``auto`` (deepspeed.comm if DeepSpeed is installed), ``deepspeed``, ``torch``."""
+    keep_pool_after_every_rank_raised: bool = False
+    """Keep a pool whose every rank raised (none died, hung or was killed: each left the body, none is in a collective)
+    instead of starting a fresh one. ``--regressions-on-pristine`` sets it: there every test fails by design, and a
+    fresh pool per test costs seconds of spawning and imports."""
 
 
 SETTINGS = Settings()
@@ -59,7 +63,8 @@ def run_on_ranks(body: Callable[..., Any],
         pools.discard_pool(world_size, init)
         raise
     statuses = {o["status"] for o in outcomes}
-    if statuses not in ({P.OK}, {P.SKIP}):
+    kept = ({P.OK}, {P.SKIP}, {P.ERROR}) if SETTINGS.keep_pool_after_every_rank_raised else ({P.OK}, {P.SKIP})
+    if statuses not in kept:
         pools.discard_pool(world_size, init)
     _echo_output(outcomes)
     return report.conclude(outcomes, timeout)

@@ -159,6 +159,29 @@ def test_failure_names_rank_and_shows_its_traceback():
     assert set(run_on_ranks(_pid, 2, init=TORCH)).isdisjoint(before), "pool was reused after a failure"
 
 
+def _fail_on_every_rank() -> int:
+    raise AssertionError(f"rank {tdist.get_rank()} checked and failed")
+
+
+def test_a_pool_whose_every_rank_raised_is_kept_under_regressions_on_pristine(monkeypatch):
+    """--regressions-on-pristine keeps a pool whose every rank raised (each left the body); one where only some
+    ranks raised is still discarded, as is any pool without the setting."""
+    from ds_harness.runner import SETTINGS
+
+    before = run_on_ranks(_pid, 2, init=TORCH)
+    with pytest.raises(RankError):
+        run_on_ranks(_fail_on_every_rank, 2, init=TORCH)
+    assert set(run_on_ranks(_pid, 2, init=TORCH)).isdisjoint(before), "pool kept without the setting"
+    monkeypatch.setattr(SETTINGS, "keep_pool_after_every_rank_raised", True)
+    before = run_on_ranks(_pid, 2, init=TORCH)
+    with pytest.raises(RankError, match=r"^ranks 0, 1 of 2 failed \(first: rank 0\): AssertionError"):
+        run_on_ranks(_fail_on_every_rank, 2, init=TORCH)
+    assert run_on_ranks(_pid, 2, init=TORCH) == before, "a pool whose every rank raised was not kept"
+    with pytest.raises(RankError):
+        run_on_ranks(_fail_on_rank1, 2, init=TORCH)
+    assert set(run_on_ranks(_pid, 2, init=TORCH)).isdisjoint(before), "pool kept after only one rank failed"
+
+
 def test_failed_rank_takes_waiting_peers_down():
     t0 = time.monotonic()
     with pytest.raises(RankError) as info:
