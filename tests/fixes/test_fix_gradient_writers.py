@@ -25,25 +25,14 @@ The ZeRO-3 cases belong to fix-zero3-stale-grad-partitions, the others to fix-ze
 
 import pytest
 
-from ds_harness.support.paths import Path, make_two_head_model
+from ds_harness.support.paths import Path, make_two_head_model, plain_sgd
 from ds_harness.support.reference_run import ZENFLOW
 
 pytestmark = pytest.mark.pr("fix-zero-offload-stale-grads")
 
 LR = 0.5
 SET_GRAD = 0.25
-SGD = {
-    "optimizer": {
-        "type": "SGD",
-        "params": {
-            "lr": LR,
-            "weight_decay": None,  # merged into base_config's AdamW parameters: None removes the key
-            "torch_adam": None
-        }
-    },
-    "zero_force_ds_cpu_optimizer": False,
-    "zero_allow_untested_optimizer": True,
-}
+SGD = plain_sgd(LR)
 CPU_OFFLOAD = {"offload_optimizer": {"device": "cpu"}}
 PATHS = {
     "zero1": Path(1, "fp32", SGD, model_fn=make_two_head_model),

@@ -14,39 +14,11 @@ learning rate is 0, so the weights, and with them every micro-batch's gradient, 
 
 import pytest
 
-from ds_harness.support.paths import Path, make_two_head_model
+from ds_harness.support.paths import make_two_head_model, plain_sgd, zero3_paths
 
 pytestmark = pytest.mark.pr("fix-zero3-stale-grad-partitions")
 
-SGD_LR0 = {
-    "optimizer": {
-        "type": "SGD",
-        "params": {
-            "lr": 0.0,
-            "weight_decay": None,  # merged into base_config's AdamW parameters: None removes the key
-            "torch_adam": None
-        }
-    },
-    "zero_force_ds_cpu_optimizer": False,
-    "zero_allow_untested_optimizer": True,
-}
-ZERO3 = {"stage3_param_persistence_threshold": 0}
-PATHS = {
-    "zero3":
-    Path(3, "fp32", {
-        **SGD_LR0, "zero_optimization": ZERO3
-    }, model_fn=make_two_head_model),
-    "zero3-offload":
-    Path(3,
-         "fp32", {
-             **SGD_LR0, "zero_optimization": {
-                 **ZERO3, "offload_optimizer": {
-                     "device": "cpu"
-                 }
-             }
-         },
-         model_fn=make_two_head_model),
-}
+PATHS = zero3_paths(plain_sgd(0.0), make_two_head_model)
 #: Unmanaged mode: a promise of zero-offload on 0.19.3 (its last unmanaged PR); on 0.19.8, whose flag is upstream's,
 #: of the fix PR.
 _UNMANAGED = pytest.mark.pr("zero-offload", "fix-zero3-stale-grad-partitions")

@@ -13,7 +13,7 @@ every parameter it holds).
 
 import pytest
 
-from ds_harness.support.paths import CLIP, Path, make_branchy_model
+from ds_harness.support.paths import CLIP, Path, make_branchy_model, plain_sgd, zero3_paths
 
 pytestmark = pytest.mark.pr("fix-zero3-stale-grad-partitions")
 #: Both modes. Unmanaged mode is upstream's own in 0.19.8; in the 0.19.3 series its ZeRO-3 and offload paths come
@@ -25,22 +25,7 @@ MODES = [
 
 STEPS = 4
 ZERO3 = {"stage3_param_persistence_threshold": 0}
-PATHS = {
-    "zero3":
-    Path(3, "fp32", {
-        **CLIP, "zero_optimization": ZERO3
-    }, model_fn=make_branchy_model),
-    "zero3-offload":
-    Path(3,
-         "fp32", {
-             **CLIP, "zero_optimization": {
-                 **ZERO3, "offload_optimizer": {
-                     "device": "cpu"
-                 }
-             }
-         },
-         model_fn=make_branchy_model),
-}
+PATHS = zero3_paths(CLIP, make_branchy_model)
 
 
 def _trained_matches_pytorch(path: Path, n: int, label: str, rtol: float, atol: float, compile: bool = False) -> None:
@@ -351,18 +336,7 @@ def test_a_skipped_overflow_step_changes_nothing_for_later_steps(dist, offload):
 
 #: Plain SGD (no momentum, no weight decay): a step on a zero gradient leaves a parameter bitwise where it was.
 SGD_LR = 0.5
-SGD = {
-    "optimizer": {
-        "type": "SGD",
-        "params": {
-            "lr": SGD_LR,
-            "weight_decay": None,  # merged into base_config's AdamW parameters: None removes the key
-            "torch_adam": None
-        }
-    },
-    "zero_force_ds_cpu_optimizer": False,
-    "zero_allow_untested_optimizer": True,
-}
+SGD = plain_sgd(SGD_LR)
 
 
 def _set_gradient_is_used_once(offload: bool, managed: bool) -> None:

@@ -61,6 +61,34 @@ def client_sgd() -> dict:
     return {"optimizer": lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9)}
 
 
+def plain_sgd(lr: float) -> dict:
+    """Config of DeepSpeed's plain SGD (no momentum, no weight decay): a step on a zero gradient leaves a parameter
+    bitwise where it was, and the update is exactly lr times the gradient."""
+    return {
+        "optimizer": {
+            "type": "SGD",
+            "params": {
+                "lr": lr,
+                "weight_decay": None,  # merged into base_config's AdamW parameters: None removes the key
+                "torch_adam": None
+            }
+        },
+        "zero_force_ds_cpu_optimizer": False,
+        "zero_allow_untested_optimizer": True,
+    }
+
+
+def zero3_paths(config: dict, model_fn: Callable[[], torch.nn.Module]) -> dict[str, "Path"]:
+    """ZeRO-3 (every parameter partitioned) without and with CPU optimizer offload, on ``config`` (fp32)."""
+    zero = {"stage3_param_persistence_threshold": 0}
+    return {
+        "zero3": Path(3, "fp32", {**config, "zero_optimization": zero}, model_fn=model_fn),
+        "zero3-offload": Path(3,
+                              "fp32", {**config, "zero_optimization": {**zero, "offload_optimizer": {"device": "cpu"}}},
+                              model_fn=model_fn),
+    }
+
+
 def client_fused_adam() -> dict:
     return {"optimizer": lambda params: TorchFusedAdam(params, lr=1e-2)}
 
