@@ -38,7 +38,8 @@ def rank_env(rank: int,
     DeepSpeed's CPU accelerator reports ``device_count()`` from LOCAL_SIZE, so it must equal the world
     size; ``cpu`` forces that accelerator (DS_ACCELERATOR=cpu) instead of letting DeepSpeed probe for
     others. ``share_cores`` gives each rank its share of the cores as intra-op threads, so W ranks on a
-    few cores do not each start one thread per core.
+    few cores do not each start one thread per core; under pytest-xdist the cores are shared with the other
+    workers' ranks too (more OpenMP threads than cores spin against each other: steps many times slower).
     """
     env = dict(os.environ if base is None else base)
     env.update({
@@ -55,7 +56,8 @@ def rank_env(rank: int,
     if cpu:
         env["DS_ACCELERATOR"] = "cpu"
     if share_cores:
-        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world_size)))
+        workers = int(env.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // (world_size * workers))))
     return env
 
 

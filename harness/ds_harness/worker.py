@@ -101,6 +101,9 @@ def _init_process_group() -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
+    from ds_series.cpu_info import ask_cpu_info_once
+
+    ask_cpu_info_once()
     backend = os.environ[P.ENV_BACKEND]
     local_rank = int(os.environ["LOCAL_RANK"])
     use_ds = os.environ[P.ENV_INIT] == "deepspeed"

@@ -219,7 +219,8 @@ def side_env(base: str, venv: Path, local_size: int, timeout: int, preload: bool
         "PIP_DISABLE_PIP_VERSION_CHECK": "1",
     })
     if preload:
-        env[PLUGIN_PRELOAD_ENV] = "torch,deepspeed"
+        # ds_series.cpu_info_preload: py-cpuinfo asked once there, not by every rank of every test (a subprocess each).
+        env[PLUGIN_PRELOAD_ENV] = "torch,deepspeed,ds_series.cpu_info_preload"
     # The JIT ops' build command includes the compiler: the one CI builds with (.ci/bin/g++, no debug information),
     # unless the caller sets another; a different one would rebuild every op on first use.
     if "CXX" not in env and shutil.which("g++"):
@@ -917,8 +918,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--local-size", type=int, default=2,
                         help="ranks the CPU accelerator offers; tests needing more skip (default 2)")
     parser.add_argument("--preload", action=argparse.BooleanOptionalAction, default=True,
-                        help="the harness's forkserver imports torch and DeepSpeed once, so that each test's ranks "
-                        "fork with them loaded (default: on)")
+                        help="the harness's forkserver imports torch and DeepSpeed and asks py-cpuinfo once, so that "
+                        "each test's ranks fork with them loaded (default: on)")
     parser.add_argument("--out", default=str(ROOT / "scratch" / "upstream-tests"),
                         help="working folder (default scratch/upstream-tests)")
     parser.add_argument("--report", default=None,
