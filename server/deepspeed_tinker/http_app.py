@@ -297,8 +297,10 @@ class HttpServer:
         self.socket = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.socket.bind((host, port))
+        # uvloop and httptools (C) rather than asyncio's loop and h11 (pure Python): this thread shares the GIL with
+        # the rank's work, and h11's parsing was the largest part of the HTTP thread's share of it.
         config = uvicorn.Config(app, access_log=settings.access_log, timeout_keep_alive=int(settings.keep_alive_s),
-                                log_level="info", lifespan="off", loop="asyncio", http="h11",
+                                log_level="info", lifespan="off", loop="uvloop", http="httptools",
                                 timeout_graceful_shutdown=5)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.socket]},

@@ -114,6 +114,8 @@ def _run_safely(worker: Worker, kind: str, model_id: str, payload: Any) -> tuple
 def _on_every_rank(worker: Worker, command: tuple[str, str, Any]) -> list[Any]:
     """Broadcast a command, run this rank's part, and gather every rank's (status, part); raises if a collective
     does (a rank died, or the group is otherwise broken)."""
+    if worker.world_size == 1:  # nobody to tell or hear from: the collectives' round trips are a step's overhead
+        return [_run_safely(worker, *command)]
     box: list[Any] = [command]
     dist.broadcast_object_list(box, src=0)
     parts: list[Any] = [None] * worker.world_size
