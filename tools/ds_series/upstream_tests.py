@@ -220,7 +220,7 @@ def side_env(base: str, venv: Path, local_size: int, timeout: int, preload: bool
     })
     if preload:
         # ds_series.cpu_info_preload: py-cpuinfo asked once there, not by every rank of every test (a subprocess each).
-        env[PLUGIN_PRELOAD_ENV] = "torch,deepspeed,ds_series.cpu_info_preload"
+        env[PLUGIN_PRELOAD_ENV] = "ds_series.cpu_info_preload,torch,deepspeed"
     # The JIT ops' build command includes the compiler: the one CI builds with (.ci/bin/g++, no debug information),
     # unless the caller sets another; a different one would rebuild every op on first use.
     if "CXX" not in env and shutil.which("g++"):
