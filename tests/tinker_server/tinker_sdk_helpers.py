@@ -75,9 +75,9 @@ def unmanaged_stage_supported(stage: int) -> bool:
 
 def start_server(tmp_dir: Path, zero_stage: int, checkpoint_dir: Path | None = None, base_models: tuple = (),
                  extra_args: tuple[str, ...] = (), world_size: int = 2):
-    """A ``world_size``-rank server (default 2) on loopback with short long-polls, accepting the API key ``API_KEY`` only (from a keys file),
-    serving ``base_models`` (``PATH`` or ``NAME=PATH``), with ``extra_args`` added to its command line; the caller
-    stops it (by PID)."""
+    """A ``world_size``-rank server (default 2) on loopback with short long-polls, accepting the API key ``API_KEY``
+    only (from a keys file), serving ``base_models`` (``PATH`` or ``NAME=PATH``), with ``extra_args`` added to its
+    command line; the caller stops it (by PID)."""
     from deepspeed_tinker.launch import ServerProcess
 
     # A GPU per rank: the server's default, one rank per GPU (NCCL). Fewer: CPU ranks (gloo).
@@ -91,8 +91,9 @@ def start_server(tmp_dir: Path, zero_stage: int, checkpoint_dir: Path | None = N
     for path in base_models:
         extra += ["--base-model", str(path)]
     extra += list(extra_args)
-    server = ServerProcess(world_size=world_size, zero_stage=zero_stage, checkpoint_dir=checkpoint_dir or tmp_dir / "ckpt",
-                           extra_args=extra, log_path=tmp_dir / f"server-zero{zero_stage}.log")
+    server = ServerProcess(world_size=world_size, zero_stage=zero_stage,
+                           checkpoint_dir=checkpoint_dir or tmp_dir / "ckpt", extra_args=extra,
+                           log_path=tmp_dir / f"server-zero{zero_stage}.log")
     try:
         server.start(timeout_s=START_TIMEOUT_S)
     except Exception as e:
