@@ -18,6 +18,9 @@ from ds_series import stack
 #: Bug-fix PRs are named ``fix-...`` and lead their series: the prefix they form is the base plus bug fixes only.
 FIX_PREFIX = "fix-"
 DEFAULT_WORLD_SIZE = 2
+#: Folders whose tests share session fixtures that cost seconds to set up: under xdist each runs on one worker, where
+#: every fixture instance is set up once (ds_harness.scheduling). The Tinker server tests on one server per ZeRO stage.
+WHOLE_ON_ONE_WORKER = ("tests/tinker_server/session_servers/", )
 
 
 #: The tested base: the installed DeepSpeed's, if the project has a series for it (env DS_SERIES_BASE otherwise, then
@@ -219,6 +222,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep
+
+
+@pytest.hookimpl(optionalhook=True, tryfirst=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``--dist loadfile`` (tools/test.sh's): a test file per worker, and each of ``WHOLE_ON_ONE_WORKER`` whole."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from ds_harness.scheduling import FolderOrFileScheduling
+
+    return FolderOrFileScheduling(config, log, folders=WHOLE_ON_ONE_WORKER)
 
 
 @pytest.fixture

@@ -11,8 +11,9 @@
 # DeepSpeed 0.19.8 with its whole follow-up series; with DS_SERIES_BASE=0.19.3, 0.19.3 with its series) and our own
 # packages, editable (DS_SERIES_PACKAGES: the tooling ds_series, the
 # test harness ds_harness, the benchmarks ds_bench, the Tinker server deepspeed_tinker), then runs `python -m pytest` over
-# tests/ on one pytest-xdist worker per core, at most 4 (a test file stays on one worker, with its module fixtures: the
-# Tinker server tests start servers per file). A later run skips the installs
+# tests/ on one pytest-xdist worker per core, at most 4 (a test file stays on one worker, with its module fixtures; the
+# Tinker server tests on the session's servers stay on one, so each server starts once: ds_harness.scheduling). A
+# later run skips the installs
 # unless a requirements file, the patches or the build tooling changed, or the installed DeepSpeed is
 # not the full series (e.g. after `ds-series-stack install --upto K`).
 #
@@ -145,8 +146,8 @@ if [[ "${BASH_SOURCE[0]}" == "$0" ]]; then
     [[ "${1:-}" == "--install-only" ]] && exit 0
     cd "$DS_SERIES_ROOT"
     # Half of the suite waits (servers starting, long polls, heartbeats, timeouts) with the cores idle: the test files
-    # run on one worker per core, at most 4 (each worker keeps rank pools for world sizes up to 4). `-n` given, or
-    # `-p no:xdist`, decides instead.
+    # run on one worker per core, at most 4 (each worker keeps rank pools for world sizes up to 4), a file per worker
+    # or a folder of tests/conftest.py's WHOLE_ON_ONE_WORKER. `-n` given, or `-p no:xdist`, decides instead.
     workers=()
     if [[ " $* " != *" -n "* && " $* " != *" -n"[0-9]* && " $* " != *"--numprocesses"* && " $* " != *"no:xdist"* ]]; then
         workers=(-n "$(($(nproc) < 4 ? $(nproc) : 4))" --dist loadfile)

@@ -7,7 +7,7 @@ the logprobs), on the same model, weights, request mix and seeds, through the sa
 time; ``generate_reference``, the test oracle in tests/tinker_server/sampling_reference.py: every sample decodes until all are done, one seeded draw at a time, the whole
 completion re-decoded for stop strings at every token) and the one that is (``SamplerPool.sample_many``: requests
 that arrive together in batches of up to 32 requests, ``sampler.generate_batch``). Both give the same tokens and
-logprobs (checked here on every request, and by tests/tinker_server/test_sampler_batching.py). Repetitions alternate
+logprobs (checked here on every request, and by tests/tinker_server/session_servers/test_sampler_batching.py). Repetitions alternate
 old and new; the median of each is reported: tokens/s = completion tokens / seconds.
 
 The request mix is an RL step's 64 samples: 8 prompts of 12-40 tokens, up to 64 new tokens, temperature 1,

@@ -1,10 +1,9 @@
-"""Fixtures for the Tinker-protocol server tests (of the installed deepspeed_tinker): servers stopped by PID.
+"""Fixtures for the Tinker-protocol server tests (of the installed deepspeed_tinker).
 
-One 2-rank server per ZeRO stage serves the whole session (starting one costs ~20 s on 2 cores);
-every test creates its own models on it. Each also serves local Hugging Face models built here with
-``save_pretrained`` (``--base-model``): a tiny GPT-2 under its path, and tiny Qwen3 and Llama models with chat
-tokenizers (``deepspeed_tinker.tiny_models``) under Hugging Face names tinker-cookbook knows
-(``--base-model NAME=PATH``, ``CHAT_MODELS``), the Qwen3 also under its path.
+Local Hugging Face models built here with ``save_pretrained``, for the servers to serve (``--base-model``): a tiny
+GPT-2 under its path, and tiny Qwen3 and Llama models with chat tokenizers (``deepspeed_tinker.tiny_models``) under
+Hugging Face names tinker-cookbook knows (``--base-model NAME=PATH``, ``CHAT_MODELS``). The session's servers, one
+per ZeRO stage, are ``session_servers/``'s.
 """
 
 from __future__ import annotations
@@ -16,8 +15,7 @@ from typing import Iterator
 import pytest
 
 # pytest puts this folder on the path (it has no __init__.py): tinker_sdk_helpers lives here.
-from tinker_sdk_helpers import (CHAT_MODELS, NAMED_MODEL, build_tiny_hf_model, require, start_server, stop_server,
-                                unmanaged_stage_supported)
+from tinker_sdk_helpers import CHAT_MODELS, build_tiny_hf_model, require
 
 
 @pytest.fixture(scope="session")
@@ -36,26 +34,6 @@ def chat_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
     root = tmp_path_factory.mktemp("chat-models")
     return {name: build_tiny_model(root / family, family) for name, family in CHAT_MODELS.items()}
-
-
-@pytest.fixture(scope="session", params=[0, 1, 2, 3], ids=lambda s: f"zero{s}")
-def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, local_hf_model: Path,
-           chat_models: dict[str, Path]) -> Iterator:
-    """One 2-rank server per supported ZeRO stage, shared by every test of the session."""
-    require("tinker")
-    if not unmanaged_stage_supported(request.param):
-        pytest.skip(f"this DeepSpeed does not support unmanaged mode with ZeRO stage {request.param}")
-    tmp_dir = tmp_path_factory.mktemp(f"tinker-zero{request.param}")
-    named = tuple(f"{name}={path}" for name, path in chat_models.items())
-    server = start_server(tmp_dir, request.param, base_models=(local_hf_model, chat_models[NAMED_MODEL], *named))
-    server.checkpoint_dir = tmp_dir / "ckpt"
-    server.zero_stage = request.param
-    server.local_model = str(local_hf_model)
-    server.chat_models = chat_models
-    try:
-        yield server
-    finally:
-        stop_server(server)
 
 
 @pytest.fixture
