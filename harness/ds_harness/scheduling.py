@@ -15,16 +15,21 @@ import pytest
 from xdist.scheduler import LoadFileScheduling
 
 
+def unit_of(nodeid: str, folders: tuple[str, ...]) -> str:
+    """The unit of work of a test: the first of ``folders`` (paths relative to the rootdir, ``/``-terminated) it lies
+    under, else its file."""
+    for folder in folders:
+        if nodeid.startswith(folder):
+            return folder
+    return nodeid.split("::", 1)[0]
+
+
 class FolderOrFileScheduling(LoadFileScheduling):
-    """``loadfile``, except that a test under one of ``folders`` (paths relative to the rootdir, ``/``-terminated)
-    has its folder as its unit of work."""
+    """``loadfile``, except that a test under one of ``folders`` has its folder as its unit of work."""
 
     def __init__(self, config: pytest.Config, log: Any = None, folders: tuple[str, ...] = ()) -> None:
         super().__init__(config, log)
         self.folders = folders
 
     def _split_scope(self, nodeid: str) -> str:
-        for folder in self.folders:
-            if nodeid.startswith(folder):
-                return folder
-        return super()._split_scope(nodeid)
+        return unit_of(nodeid, self.folders)

@@ -2,8 +2,8 @@
 
 Local Hugging Face models built here with ``save_pretrained``, for the servers to serve (``--base-model``): a tiny
 GPT-2 under its path, and tiny Qwen3 and Llama models with chat tokenizers (``deepspeed_tinker.tiny_models``) under
-Hugging Face names tinker-cookbook knows (``--base-model NAME=PATH``, ``CHAT_MODELS``). The session's servers, one
-per ZeRO stage, are ``session_servers/``'s.
+Hugging Face names tinker-cookbook knows (``--base-model NAME=PATH``, ``CHAT_MODELS``). The servers the whole session
+shares, one per ZeRO stage, are in session_servers/conftest.py.
 """
 
 from __future__ import annotations
