@@ -16,8 +16,9 @@ tinker = require("tinker")
 from tinker import types  # noqa: E402
 
 from deepspeed_tinker.model import LoraSpec  # noqa: E402
-from tinker_sdk_helpers import (API_KEY, RESULT_TIMEOUT_S, PlainReplay, adam, assert_trained_like_replay,  # noqa: E402
-                                random_data, start_server, stop_server, to_sdk)
+from tinker_sdk_helpers import (  # noqa: E402
+    API_KEY, RESULT_TIMEOUT_S, PlainReplay, adam, assert_forward_backward_like_replay, assert_trained_like_replay,
+    random_data, start_server, stop_server, to_sdk)
 
 pytestmark = pytest.mark.pr("zero-0-1")
 
@@ -47,11 +48,7 @@ def test_one_rank_trains_like_a_plain_pytorch_replay(server) -> None:
         futures = [training.forward_backward(to_sdk(batch), "cross_entropy") for batch in batches]
         optim = training.optim_step(types.AdamParams(**params))
         for batch, future in zip(batches, futures):
-            output = future.result(timeout=RESULT_TIMEOUT_S)
-            expected_logprobs, expected_loss = replay.forward_backward(batch)
-            assert output.metrics["loss:sum"] == pytest.approx(expected_loss, rel=1e-5, abs=1e-4)
-            for got, want in zip(output.loss_fn_outputs, expected_logprobs):
-                np.testing.assert_allclose(got["logprobs"].data, want, atol=LOGPROB_ATOL)
+            assert_forward_backward_like_replay(future, replay, batch, LOGPROB_ATOL)
         assert optim.result(timeout=RESULT_TIMEOUT_S).metrics["datums:sum"] == sum(calls)
         replay.optim_step(params)
     assert_trained_like_replay(training, server, replay, "final", WEIGHT_ATOL)

@@ -292,6 +292,17 @@ def max_weight_difference(actual: dict[str, torch.Tensor], expected: dict[str, t
     return max(float((actual[k].float() - expected[k].float()).abs().max()) for k in expected)
 
 
+def assert_forward_backward_like_replay(future, replay: "PlainReplay", batch: list, logprob_atol: float) -> None:
+    """A ``forward_backward``'s answer (its loss and each datum's logprobs) equals the replay's forward-backward of
+    ``batch``, which also accumulates the replay's gradient. Within tolerances: the replay sums datum by datum, the
+    server over a padded batch."""
+    output = future.result(timeout=RESULT_TIMEOUT_S)
+    expected_logprobs, expected_loss = replay.forward_backward(batch)
+    assert output.metrics["loss:sum"] == pytest.approx(expected_loss, rel=1e-5, abs=1e-4)
+    for got, want in zip(output.loss_fn_outputs, expected_logprobs, strict=True):
+        np.testing.assert_allclose(got["logprobs"].data, want, atol=logprob_atol)
+
+
 def assert_trained_like_replay(training, server, replay: "PlainReplay", name: str, atol: float) -> None:
     """The server's saved weights equal the plain-PyTorch replay's, and training moved them well beyond
     ``atol`` (otherwise the comparison says nothing)."""

@@ -23,8 +23,9 @@ tinker = require("tinker")
 from tinker import types  # noqa: E402
 
 from deepspeed_tinker.model import LoraSpec  # noqa: E402
-from tinker_sdk_helpers import (API_KEY, RESULT_TIMEOUT_S, PlainReplay, adam, assert_trained_like_replay,  # noqa: E402
-                                fwdbwd_proto, poll_once, post, random_data, result, to_sdk)
+from tinker_sdk_helpers import (  # noqa: E402
+    API_KEY, RESULT_TIMEOUT_S, PlainReplay, adam, assert_forward_backward_like_replay, assert_trained_like_replay,
+    fwdbwd_proto, poll_once, post, random_data, result, to_sdk)
 
 pytestmark = pytest.mark.pr("zero-0-1")
 
@@ -71,11 +72,7 @@ def test_training_equals_a_plain_pytorch_replay(server, service, lora_rank: int)
         optim = training.optim_step(types.AdamParams(**params))
 
         for batch, future in zip(batches, futures):
-            output = future.result(timeout=RESULT_TIMEOUT_S)
-            expected_logprobs, expected_loss = replay.forward_backward(batch)
-            assert output.metrics["loss:sum"] == pytest.approx(expected_loss, rel=1e-5, abs=1e-4)
-            for got, want in zip(output.loss_fn_outputs, expected_logprobs):
-                np.testing.assert_allclose(got["logprobs"].data, want, atol=LOGPROB_ATOL)
+            assert_forward_backward_like_replay(future, replay, batch, LOGPROB_ATOL)
         if step == 1:
             assert "outside the vocabulary" in assert_user_error(bad)
         probe_logprobs, _ = replay.forward_backward(probe, backward=False)
