@@ -37,10 +37,12 @@ def _positive_int(value: str) -> int:
 
 
 def _demo_options(parser: argparse.ArgumentParser, client: str) -> None:
-    """What every demo takes: the client's Python, a time limit, the access log, and the server's options."""
+    """What every demo takes: the client's Python, a time limit, the access log, and every option of the server
+    (passed on to it, but the few ``_demo_server`` decides)."""
     parser.add_argument("--client-python", default=sys.executable,
                         help=f"Python that has {client} (default: this one)")
-    parser.add_argument("--timeout-s", type=float, default=900)
+    parser.add_argument("--timeout-s", type=float, default=900,
+                        help="stop the client (and the server) after S seconds (default: %(default)s)")
     parser.add_argument("--access-log", action="store_true", help="the server's log line per HTTP request")
     _server_options(parser)
 
@@ -101,19 +103,17 @@ def _server_options(parser: argparse.ArgumentParser) -> None:
                         "(default: %(default)s)")
 
 
-def _rank_args(args: argparse.Namespace) -> list[str]:
-    out = ["--port", str(args.port), "--zero-stage", str(args.zero_stage), "--checkpoint-dir",
-           str(args.checkpoint_dir), "--max-chunk-datums", str(args.max_chunk_datums), "--long-poll-s",
-           str(args.long_poll_s)]
+def _server_args(args: argparse.Namespace) -> list[str]:
+    """Every ``_server_options`` value as the ranks' arguments, but ``--zero-stage`` and ``--checkpoint-dir`` (which
+    ``ServerProcess`` takes as parameters)."""
+    out = ["--max-chunk-datums", str(args.max_chunk_datums), "--long-poll-s", str(args.long_poll_s)]
     if args.no_compress:
         out.append("--no-compress")
-    if args.ready_file:
-        out += ["--ready-file", str(args.ready_file)]
     for value in args.base_model:
         name, path = parse_base_model(value)
         resolved = str(Path(path).expanduser().resolve())
         out += ["--base-model", f"{name}={resolved}" if name else resolved]
-    out += ["--device", args.device, "--host", args.host, "--dtype", args.dtype]
+    out += ["--device", args.device, "--dtype", args.dtype]
     if args.gradient_checkpointing:
         out.append("--gradient-checkpointing")
     if args.keep_checkpoints is not None:
@@ -133,6 +133,15 @@ def _rank_args(args: argparse.Namespace) -> list[str]:
     return out
 
 
+def _rank_args(args: argparse.Namespace) -> list[str]:
+    """What ``serve`` passes to each rank: its own options and every server option."""
+    out = ["--port", str(args.port), "--host", args.host, "--zero-stage", str(args.zero_stage), "--checkpoint-dir",
+           str(args.checkpoint_dir)]
+    if args.ready_file:
+        out += ["--ready-file", str(args.ready_file)]
+    return out + _server_args(args)
+
+
 def _client(name: str) -> str:
     """A demo client script: from ``$DEEPSPEED_TINKER_CLIENTS``, else the examples/tinker/ folder of the checkout this
     package is installed (editable) from. The clients are examples, not part of the installed server."""
@@ -144,36 +153,33 @@ def _client(name: str) -> str:
     return str(script)
 
 
-def _demo_device(args: argparse.Namespace) -> str:
-    """The demos run on CPU ranks unless ``--device`` says otherwise (they are sized for 2 CPU cores)."""
-    return "cpu" if args.device == "auto" else args.device
+def _demo_server(args: argparse.Namespace, checkpoints: Path,
+                 *base_models: str) -> tuple[ServerProcess, dict[str, str]]:
+    """A demo's server, given every server option the command line gave, and its client's environment.
 
-
-def _precision_args(args: argparse.Namespace) -> list[str]:
-    """``--dtype`` and ``--gradient-checkpointing`` for the demos' server, and its access log (off unless asked:
-    the demos print their clients' progress, not a line per request)."""
-    return ["--dtype", args.dtype, *(["--gradient-checkpointing"] if args.gradient_checkpointing else []),
-            *([] if args.access_log else ["--no-access-log"])]
-
-
-def _demo_key(checkpoints: Path) -> tuple[list[str], dict[str, str]]:
-    """A fresh API key for a demo: the server's ``--api-keys-file`` arguments, and the client's environment
-    (``TINKER_API_KEY``, which the SDK reads)."""
+    The demo decides four: CPU ranks unless ``--device`` names one (the demos are sized for 2 CPU cores), no access
+    log unless ``--access-log`` (the demos print their clients' progress, not a line per request), a fresh API key
+    (``TINKER_API_KEY`` in the client's environment, which the SDK reads), and its checkpoints in a folder of its own.
+    """
     key = f"tml-demo-{secrets.token_hex(16)}"
     checkpoints.mkdir(parents=True, exist_ok=True)
     keys_file = checkpoints / "api-keys"
     keys_file.touch(mode=0o600)
     keys_file.write_text(key + "\n")
-    return ["--api-keys-file", str(keys_file)], {**os.environ, "TINKER_API_KEY": key}
+    options = argparse.Namespace(**vars(args))
+    options.device = "cpu" if args.device == "auto" else args.device
+    options.no_access_log = not args.access_log
+    options.api_keys_file = keys_file
+    options.base_model = [*args.base_model, *base_models]
+    server = ServerProcess(world_size=args.world_size, zero_stage=args.zero_stage, checkpoint_dir=checkpoints,
+                           extra_args=_server_args(options))
+    return server, {**os.environ, "TINKER_API_KEY": key}
 
 
 def _demo(args: argparse.Namespace) -> int:
     """Start a server on ``--world-size`` CPU ranks, run the SFT client against it, stop the server."""
     checkpoints = args.checkpoint_dir / "demo"
-    key_args, client_env = _demo_key(checkpoints)
-    server = ServerProcess(world_size=args.world_size, zero_stage=args.zero_stage, checkpoint_dir=checkpoints,
-                           extra_args=["--max-chunk-datums", "8", "--device", _demo_device(args),
-                                       *_precision_args(args), *key_args])
+    server, client_env = _demo_server(args, checkpoints)
     print(f"[demo] starting the server on {args.world_size} CPU ranks (ZeRO stage {args.zero_stage})", flush=True)
     base_url = server.start()
     try:
@@ -188,10 +194,7 @@ def _demo(args: argparse.Namespace) -> int:
 def _rl_demo(args: argparse.Namespace) -> int:
     """Start a server on ``--world-size`` CPU ranks, run tinker-cookbook's RL loop against it, stop the server."""
     checkpoints = args.checkpoint_dir / "rl-demo"
-    key_args, client_env = _demo_key(checkpoints)
-    server = ServerProcess(world_size=args.world_size, zero_stage=args.zero_stage, checkpoint_dir=checkpoints,
-                           extra_args=["--max-chunk-datums", str(args.max_chunk_datums), "--device",
-                                       _demo_device(args), *_precision_args(args), *key_args])
+    server, client_env = _demo_server(args, checkpoints)
     print(f"[rl-demo] starting the server on {args.world_size} CPU ranks (ZeRO stage {args.zero_stage})", flush=True)
     base_url = server.start()
     try:
@@ -210,10 +213,7 @@ def _recipes_demo(args: argparse.Namespace) -> int:
 
     checkpoints = args.checkpoint_dir / "recipes-demo"
     model_dir = build_tiny_model(checkpoints / "qwen3-tiny", "qwen3")
-    key_args, client_env = _demo_key(checkpoints)
-    server = ServerProcess(world_size=args.world_size, zero_stage=args.zero_stage, checkpoint_dir=checkpoints,
-                           extra_args=["--base-model", f"Qwen/Qwen3-8B={model_dir}", "--device", _demo_device(args),
-                                       *_precision_args(args), *key_args])
+    server, client_env = _demo_server(args, checkpoints, f"Qwen/Qwen3-8B={model_dir}")
     print(f"[recipes-demo] starting the server on {args.world_size} CPU ranks (ZeRO stage {args.zero_stage})",
           flush=True)
     base_url = server.start()
@@ -227,7 +227,8 @@ def _recipes_demo(args: argparse.Namespace) -> int:
         print(f"[recipes-demo] server stopped (exit code {code})", flush=True)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line: ``serve``, the three demos and ``rank``."""
     parser = argparse.ArgumentParser(prog="deepspeed-tinker",
                                      description="A Tinker-protocol training server on DeepSpeed (unmanaged mode).")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -243,8 +244,10 @@ def main(argv: list[str] | None = None) -> int:
     demo_cmd = commands.add_parser("demo", help="server on 2 CPU ranks + the SDK's SFT client, then stop")
     demo_cmd.add_argument("--world-size", type=int, default=2)
     demo_cmd.add_argument("--steps", type=int, default=8)
-    demo_cmd.add_argument("--rank", type=int, default=16, help="LoRA rank; 0 for full fine-tuning")
+    demo_cmd.add_argument("--rank", type=int, default=16, help="LoRA rank; 0 for full fine-tuning (default: 16)")
     _demo_options(demo_cmd, "the tinker SDK")
+    # Its client's first step is one call of every datum: chunks of 8 show the SDK splitting it.
+    demo_cmd.set_defaults(max_chunk_datums=8)
 
     rl_cmd = commands.add_parser("rl-demo", help="server on 2 CPU ranks + tinker-cookbook's RL loop, then stop")
     rl_cmd.add_argument("--world-size", type=int, default=2)
@@ -266,6 +269,11 @@ def main(argv: list[str] | None = None) -> int:
 
     # The deepspeed launcher passes --local_rank=N before the command (LOCAL_RANK is in the environment too).
     parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.command in ("serve", "rank"):
         try:
