@@ -98,3 +98,28 @@ def test_fail_all_fails_every_pending_future_and_every_new_one() -> None:
     futures.resolve(waiting.request_id, {"late": True})  # a job that finishes after the fault changes nothing
     assert futures.wait(waiting.request_id, 0).status == "error"
     assert futures.counts() == (0, 3)
+
+
+def test_a_finished_job_is_recorded_before_its_future_resolves() -> None:
+    """What makes ``save_state`` durable before it is acknowledged: rank 0 records a finished job (the checkpoint
+    into the store) while its future is still pending, and a record that fails fails the future as a server error
+    instead of acknowledging a checkpoint the store does not have."""
+    from deepspeed_tinker.server import _record_and_resolve
+
+    futures = FutureStore()
+    scheduler = Scheduler(futures)
+    seen: list[str] = []
+    saved = scheduler.submit("save_weights", "m", session="s")
+    _record_and_resolve(scheduler.next_job(timeout=0), {"path": "tinker://r/weights/1"}, futures,
+                        lambda job: seen.append(futures.wait(job.request_id, 0).status))
+    assert seen == ["pending"]
+    assert futures.wait(saved, 0).status == "ok" and futures.wait(saved, 0).result == {"path": "tinker://r/weights/1"}
+
+    def store_fails(job) -> None:
+        raise OSError("disk full")
+
+    lost = scheduler.submit("save_weights", "m", session="s")
+    _record_and_resolve(scheduler.next_job(timeout=0), {"path": "tinker://r/weights/2"}, futures, store_fails)
+    future = futures.wait(lost, 0)
+    assert (future.status, future.category, future.result) == ("error", "server", None)
+    assert "could not record the result: OSError: disk full" in future.error

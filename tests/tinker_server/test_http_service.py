@@ -189,7 +189,11 @@ def test_a_flood_is_refused_with_429_and_a_pending_future_survives(limited_serve
 
 
 def test_each_rank_logs_its_intra_op_threads(limited_server) -> None:
-    """The tests run with OMP_NUM_THREADS=1 (or the rank's share of the cores): every rank says so at start-up."""
+    """Every rank takes the thread count its environment gives it (the launcher's, as ``rank_env`` writes it: the
+    tests' OMP_NUM_THREADS, or the rank's share of the cores) and says so, and why, at start-up."""
+    from deepspeed_tinker.threads import intra_op_threads
+    from ds_harness.ranks import rank_env
+
+    threads, why = intra_op_threads(None, rank_env(0, 2, None, cpu=True))
     lines = re.findall(r"rank (\d): (\d+) intra-op thread\(s\) \((.+)\)", limited_server.log_path.read_text())
-    assert sorted(rank for rank, _, _ in lines) == ["0", "1"], lines
-    assert all(int(threads) >= 1 for _, threads, _ in lines)
+    assert sorted(lines) == [("0", str(threads), why), ("1", str(threads), why)], lines
