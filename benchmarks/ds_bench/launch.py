@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import List, Optional
 
-from ds_harness.ranks import MASTER_ADDR, free_port, kill_tree, rank_env, remove_group_buffers
+from ds_harness.ranks import MASTER_ADDR, free_port, kill_tree, remove_group_buffers, start_rank
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -38,21 +38,25 @@ class _Host:
         self.log = open(log_path, "w")
         # Each trial sets MASTER_PORT. Torch's default thread count, as in the committed measurements.
         base = {**os.environ, **env}
-        child_env = rank_env(rank, world_size, None, cpu=device == "cpu", share_cores=False, base=base)
         if device != "cpu":
             # Let the host ask whether CUDA exists without creating a CUDA context its forked trials inherit.
-            child_env.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+            base.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
         command = [sys.executable, "-m", "ds_bench.worker"]
         if preload:
             command += ["--preload", ",".join(preload)]
-        self.process = subprocess.Popen(command,
-                                        stdin=subprocess.PIPE,
-                                        stdout=subprocess.PIPE,
-                                        stderr=self.log,
-                                        env=child_env,
-                                        cwd=str(ROOT),
-                                        text=True,
-                                        bufsize=1)
+        self.process = start_rank(command,
+                                  rank,
+                                  world_size,
+                                  None,
+                                  cpu=device == "cpu",
+                                  share_cores=False,
+                                  env=base,
+                                  stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE,
+                                  stderr=self.log,
+                                  cwd=str(ROOT),
+                                  text=True,
+                                  bufsize=1)
         self.lines: "queue.Queue[Optional[dict]]" = queue.Queue()
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()

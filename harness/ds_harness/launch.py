@@ -1,10 +1,9 @@
-"""Backend choice and the per-rank environment, as a launcher (torchrun/deepspeed) would set it."""
+"""Backend choice for the harness's ranks (their environment and start: ``ds_harness.ranks``)."""
 
 from __future__ import annotations
 
 import functools
 
-from . import ranks
 from .ranks import free_port  # noqa: F401 - the harness's port source
 
 
@@ -25,8 +24,3 @@ def max_world_size() -> int | None:
     """Largest world size this machine can host: one GPU per rank, unbounded on CPU."""
     n = gpu_count()
     return n if n > 0 else None
-
-
-def rank_env(rank: int, world_size: int, port: int, backend_name: str) -> dict[str, str]:
-    """Environment for one rank (``ds_harness.ranks``)."""
-    return ranks.rank_env(rank, world_size, port, cpu=backend_name != "nccl")

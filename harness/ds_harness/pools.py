@@ -51,15 +51,20 @@ class RankPool:
         port = launch.free_port()
         for rank in range(self.world_size):
             parent_sock, child_sock = socket.socketpair()
-            env = launch.rank_env(rank, self.world_size, port, self.backend)
-            env[P.ENV_FD] = str(child_sock.fileno())
-            env[P.ENV_BACKEND] = self.backend
-            env[P.ENV_INIT] = self.init
-            env[P.ENV_PARENT_PID] = str(os.getpid())
+            plumbing = {
+                P.ENV_FD: str(child_sock.fileno()),
+                P.ENV_BACKEND: self.backend,
+                P.ENV_INIT: self.init,
+                P.ENV_PARENT_PID: str(os.getpid()),
+            }
             with open(self.log_path(rank), "ab") as log:
-                proc = subprocess.Popen(
+                proc = ranks.start_rank(
                     [sys.executable, "-c", BOOT],
-                    env=env,
+                    rank,
+                    self.world_size,
+                    port,
+                    cpu=self.backend != "nccl",
+                    extra_env=plumbing,
                     pass_fds=[child_sock.fileno()],
                     stdin=subprocess.DEVNULL,
                     stdout=log,

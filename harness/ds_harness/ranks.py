@@ -1,9 +1,10 @@
 """Start local ranks the way ``torchrun`` would: a free port, each rank's environment, CPU op switches.
 
-The examples, the benchmarks, the test harness and the Tinker server all start W ranks on one machine; they take
-the port, the variables torch.distributed and DeepSpeed read, and the op switches from here (``start_ranks``, or
-``rank_env`` where a rank needs more plumbing, e.g. the harness's socket), so that every local launch is the same
-launch; and they stop them with ``kill_tree`` and clean ``/dev/shm`` with ``clean_shm`` (``ds_series.procs``).
+The test harness, the benchmarks and the Tinker server all start W ranks on one machine; every rank process is
+started by ``start_rank`` (``start_ranks`` for W of them), which gives it the port, the variables torch.distributed
+and DeepSpeed read, and the op switches, and passes a launcher's own plumbing (the harness's socket, the benchmarks'
+pipes) to ``subprocess.Popen``; so every local launch is the same launch. They stop them with ``kill_tree`` and clean
+``/dev/shm`` with ``clean_shm`` (``ds_series.procs``).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import os
 import socket
 import subprocess
 from pathlib import Path
-from typing import Mapping, NoReturn, Sequence
+from typing import Any, Mapping, NoReturn, Sequence
 
 from ds_series.procs import clean_shm, kill_tree, remove_group_buffers, shm_files  # noqa: F401 - the ranks' clean-up
 
@@ -61,6 +62,23 @@ def rank_env(rank: int,
     return env
 
 
+def start_rank(argv: Sequence[str],
+               rank: int,
+               world_size: int,
+               port: int | None,
+               *,
+               cpu: bool,
+               share_cores: bool = True,
+               env: Mapping[str, str] | None = None,
+               extra_env: Mapping[str, str] | None = None,
+               **popen: Any) -> subprocess.Popen:
+    """Start rank ``rank`` of ``world_size`` running ``argv``: ``rank_env(...)`` over ``env`` (default this process's),
+    then ``extra_env`` (the launcher's own variables); ``popen`` goes to ``subprocess.Popen`` as it is."""
+    child_env = rank_env(rank, world_size, port, cpu=cpu, share_cores=share_cores, base=env)
+    child_env.update(extra_env or {})
+    return subprocess.Popen(list(argv), env=child_env, **popen)
+
+
 def start_ranks(argv: Sequence[str],
                 world_size: int,
                 *,
@@ -78,12 +96,16 @@ def start_ranks(argv: Sequence[str],
         log = open(log_dir / f"rank{rank}.log", "wb") if log_dir is not None else None
         try:
             procs.append(
-                subprocess.Popen(list(argv),
-                                 env=rank_env(rank, world_size, port, cpu=cpu, base=env),
-                                 cwd=cwd,
-                                 stdout=log,
-                                 stderr=subprocess.STDOUT if log is not None else None,
-                                 stdin=subprocess.DEVNULL))
+                start_rank(argv,
+                           rank,
+                           world_size,
+                           port,
+                           cpu=cpu,
+                           env=env,
+                           cwd=cwd,
+                           stdout=log,
+                           stderr=subprocess.STDOUT if log is not None else None,
+                           stdin=subprocess.DEVNULL))
         finally:
             if log is not None:
                 log.close()  # the rank has its own handle
