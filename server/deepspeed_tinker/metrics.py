@@ -233,8 +233,9 @@ def engine_bytes(models: list[Any]) -> int:
 def rank_memory(worker: Any) -> dict[str, float]:
     """This rank's memory now: process RSS, the engines' tensors, the sampler snapshots, CUDA memory allocated."""
     values: dict[str, float] = {"rss": float(psutil.Process().memory_info().rss), "time": time.time()}
-    values["engines"] = float(engine_bytes(list(worker.models.values())))
-    values["snapshots"] = float(worker.samplers.held_bytes())
+    with worker.lock:  # between commands: never beside one that changes the tensors (``Worker.lock``)
+        values["engines"] = float(engine_bytes(list(worker.models.values())))
+        values["snapshots"] = float(worker.samplers.held_bytes())
     if worker.device.type == "cuda":
         import torch
 

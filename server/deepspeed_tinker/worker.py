@@ -14,6 +14,7 @@ import inspect
 import json
 import os
 import shutil
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
@@ -169,8 +170,17 @@ class Worker:
         #: One frozen base model per served model, shared by every LoRA client of it (``_module_for``).
         self.bases: dict[str, torch.nn.Module] = {}
         self.samplers = SamplerPool(self.device, DTYPES[dtype], *(snapshots or ()))
+        #: Held while a command runs. Another thread (the memory reporter) reads the engines' tensors only under it:
+        #: a command's C++ (autograd, the optimizer, collectives) changes tensors and frees storages without the GIL,
+        #: and a storage read from another thread meanwhile can be a use after free (a rank died of that in
+        #: ``release_resources`` of a ``StorageImpl``).
+        self.lock = threading.Lock()
 
     def run(self, kind: str, model_id: str, payload: Any) -> Any:
+        with self.lock:
+            return self._run(kind, model_id, payload)
+
+    def _run(self, kind: str, model_id: str, payload: Any) -> Any:
         if kind == "create":
             return self._create(model_id, payload)
         if kind == "sample":
