@@ -34,6 +34,9 @@ log = logging.getLogger("tinker_server")
 MEMORY_KEY = "deepspeed_tinker/rank_memory/{rank}"
 #: How often each rank writes it.
 MEMORY_EVERY_S = 2.0
+#: The figures of a rank's memory report that /metrics shows (the report also has when it was made, ``time``, and
+#: when the engines' tensors were last counted, ``counted_at``).
+MEMORY_KINDS = ("rss", "engines", "snapshots", "device_allocated")
 #: ``tinker_tokens_per_second`` is over the jobs finished in this window.
 TOKENS_WINDOW_S = 60.0
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
@@ -182,7 +185,7 @@ class _LiveCollector(Collector):
             per_rank = {}
         for rank, values in sorted(per_rank.items()):
             for kind, value in sorted(values.items()):
-                if kind != "time":
+                if kind in MEMORY_KINDS:
                     memory.add_metric([str(rank), kind], value)
         yield memory
 
@@ -230,16 +233,25 @@ def engine_bytes(models: list[Any]) -> int:
     return total
 
 
-def rank_memory(worker: Any) -> dict[str, float]:
-    """This rank's memory now: process RSS, the engines' tensors, the sampler snapshots, CUDA memory allocated."""
+def rank_memory(worker: Any, counted: dict[str, float] | None = None) -> dict[str, float]:
+    """This rank's memory now: process RSS and CUDA memory allocated, and the engines' tensors and sampler snapshots
+    as last counted. Those are counted only while no command runs (``Worker.lock``: a command's C++ changes them
+    without the GIL), so during one they keep their count from before it; ``counted`` carries that count from one
+    report to the next (the first one waits for the lock)."""
     values: dict[str, float] = {"rss": float(psutil.Process().memory_info().rss), "time": time.time()}
-    with worker.lock:  # between commands: never beside one that changes the tensors (``Worker.lock``)
-        values["engines"] = float(engine_bytes(list(worker.models.values())))
-        values["snapshots"] = float(worker.samplers.held_bytes())
     if worker.device.type == "cuda":
         import torch
 
         values["device_allocated"] = float(torch.cuda.memory_allocated(worker.device))
+    counted = {} if counted is None else counted
+    if worker.lock.acquire(blocking=not counted):
+        try:
+            counted["engines"] = float(engine_bytes(list(worker.models.values())))
+            counted["snapshots"] = float(worker.samplers.held_bytes())
+            counted["counted_at"] = time.time()
+        finally:
+            worker.lock.release()
+    values.update(counted)
     return values
 
 
@@ -275,9 +287,10 @@ def start_memory_reporter(worker: Any, every_s: float = MEMORY_EVERY_S) -> threa
     key = MEMORY_KEY.format(rank=worker.rank)
 
     def report() -> None:
+        counted: dict[str, float] = {}
         while True:
             try:
-                store.set(key, json.dumps(rank_memory(worker)))
+                store.set(key, json.dumps(rank_memory(worker, counted)))
             except Exception as e:  # the models changed under us, or the store is gone at shutdown
                 log.debug("rank %d: memory report failed: %s", worker.rank, e)
             time.sleep(every_s)

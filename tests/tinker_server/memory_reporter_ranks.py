@@ -1,7 +1,8 @@
 """One rank of ``test_memory_reporter.py``: ``python tests/tinker_server/memory_reporter_ranks.py OUT_DIR STEPS``
 with the launcher environment set. The server's ``Worker`` trains a LoRA client of the tiny byte-level Llama at
-ZeRO-0 (``forward_backward`` + ``optim_step``, STEPS times) while the server's memory reporter reads the engines'
-tensors as often as it can (every 0 s, not every 2). Each rank writes ``OUT_DIR/rank<r>.json``: its steps and its
+ZeRO-0 (``forward_backward`` + ``optim_step``, STEPS times, a barrier between steps as the server's collectives
+between commands) while the server's memory reporter reads the engines' tensors as often as it gets the chance
+(every 0 s, not every 2). Each rank writes ``OUT_DIR/rank<r>.json``: its steps and its
 last memory report."""
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ def main(out_dir: Path, steps: int) -> None:
     for _ in range(steps):
         worker.run("forward_backward", "m", request)
         worker.run("optim_step", "m", adam)
+        dist.barrier()  # as the server's broadcast and gather do between commands: the reporter's turn
     report = json.loads(dist.distributed_c10d._get_default_store().get(MEMORY_KEY.format(rank=rank)))
     seen = {"steps": worker.models["m"].steps, "report": report, "now": time.time()}
     (out_dir / f"rank{rank}.json").write_text(json.dumps(seen))

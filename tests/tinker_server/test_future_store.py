@@ -104,6 +104,9 @@ def test_a_finished_job_is_recorded_before_its_future_resolves() -> None:
     """What makes ``save_state`` durable before it is acknowledged: rank 0 records a finished job (the checkpoint
     into the store) while its future is still pending, and a record that fails fails the future as a server error
     instead of acknowledging a checkpoint the store does not have."""
+    from tinker_sdk_helpers import require
+
+    require("fastapi")  # the server module serves HTTP too
     from deepspeed_tinker.server import _record_and_resolve
 
     futures = FutureStore()
