@@ -6,18 +6,14 @@ often as it can; without the lock they die within a few seconds (SIGSEGV or SIGA
 
 from __future__ import annotations
 
-import json
-import os
-import sys
 from pathlib import Path
 
 import pytest
 
-from tinker_sdk_helpers import require
+from tinker_sdk_helpers import require, run_rank_script
 
 pytestmark = pytest.mark.pr("zero-0-1")
 
-ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = Path(__file__).with_name("memory_reporter_ranks.py")
 WORLD = 2
 STEPS = 600
@@ -25,21 +21,7 @@ STEPS = 600
 
 def test_memory_reports_never_run_beside_a_command(tmp_path: Path) -> None:
     require("peft")
-    from ds_harness.ranks import kill_tree, start_ranks
-
-    procs = start_ranks([sys.executable, str(SCRIPT), str(tmp_path), str(STEPS)], WORLD, cpu=True,
-                        env={**os.environ, "HF_HUB_OFFLINE": "1"}, cwd=ROOT, log_dir=tmp_path)
-    try:
-        codes = [p.wait(timeout=300) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                kill_tree(p.pid)
-                p.wait()
-    logs = "\n".join((tmp_path / f"rank{r}.log").read_text(errors="replace")[-3000:] for r in range(WORLD))
-    assert codes == [0] * WORLD, f"ranks exited {codes} (negative: killed by that signal)\n{logs}"
-    for rank in range(WORLD):
-        seen = json.loads((tmp_path / f"rank{rank}.json").read_text())
+    for seen in run_rank_script(SCRIPT, [str(STEPS)], tmp_path, WORLD):
         assert seen["steps"] == STEPS
         # The reporter ran all along and counted the engine's tensors between the last steps, not only at the start.
         report = seen["report"]

@@ -7,17 +7,13 @@ enough (256, MLP 512) that ZeRO-3 does not keep its matrices whole as persistent
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
-from tinker_sdk_helpers import require, unmanaged_stage_supported
+from tinker_sdk_helpers import require, run_rank_script, unmanaged_stage_supported
 
-ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = Path(__file__).with_name("worker_ranks.py")
 WORLD = 2
 
@@ -34,20 +30,7 @@ def qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def run_ranks(tmp_path: Path, zero_stage: int, dtype: str, model_dir: Path) -> list[dict]:
-    from ds_harness.ranks import kill_tree, start_ranks
-
-    procs = start_ranks([sys.executable, str(SCRIPT), str(tmp_path), str(zero_stage), dtype, str(model_dir)], WORLD,
-                        cpu=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}, cwd=ROOT, log_dir=tmp_path)
-    try:
-        codes = [p.wait(timeout=300) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                kill_tree(p.pid)
-                p.wait()
-    logs = "\n".join((tmp_path / f"rank{r}.log").read_text(errors="replace")[-3000:] for r in range(WORLD))
-    assert codes == [0] * WORLD, f"ranks exited {codes}\n{logs}"
-    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    return run_rank_script(SCRIPT, [str(zero_stage), dtype, str(model_dir)], tmp_path, WORLD)
 
 
 def close(a, b, atol: float) -> bool:

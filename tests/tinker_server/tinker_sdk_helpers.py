@@ -6,6 +6,7 @@ import functools
 import importlib
 import json
 import os
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -99,6 +100,28 @@ def start_server(tmp_dir: Path, zero_stage: int, checkpoint_dir: Path | None = N
     except Exception as e:
         raise RuntimeError(f"{e}\n--- {server.log_path} ---\n{log_tail(server)}") from None
     return server
+
+
+def run_rank_script(script: Path, args: list[str], out_dir: Path, world_size: int = 2,
+                    timeout_s: float = 300.0) -> list[dict]:
+    """Run ``script OUT_DIR ARGS...`` on ``world_size`` gloo CPU ranks (``ds_harness.ranks.start_ranks``, each rank's
+    output in ``out_dir/rank<r>.log``) and return what each rank wrote to ``out_dir/rank<r>.json``. A rank that exits
+    non-zero (negative: the signal that killed it) fails the test with the ranks' logs."""
+    from ds_harness.ranks import kill_tree, start_ranks
+
+    procs = start_ranks([sys.executable, str(script), str(out_dir), *args], world_size, cpu=True,
+                        env={**os.environ, "HF_HUB_OFFLINE": "1"}, cwd=Path(__file__).resolve().parents[2],
+                        log_dir=out_dir)
+    try:
+        codes = [p.wait(timeout=timeout_s) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                kill_tree(p.pid)
+                p.wait()
+    logs = "\n".join((out_dir / f"rank{r}.log").read_text(errors="replace")[-3000:] for r in range(world_size))
+    assert codes == [0] * world_size, f"ranks exited {codes}\n{logs}"
+    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world_size)]
 
 
 def log_tail(server, lines: int = 40) -> str:
