@@ -236,15 +236,15 @@ def engine_bytes(models: list[Any]) -> int:
 def rank_memory(worker: Any, counted: dict[str, float] | None = None) -> dict[str, float]:
     """This rank's memory now: process RSS and CUDA memory allocated, and the engines' tensors and sampler snapshots
     as last counted. Those are counted only while no command runs (``Worker.lock``: a command's C++ changes them
-    without the GIL), so during one they keep their count from before it; ``counted`` carries that count from one
-    report to the next (the first one waits for the lock)."""
+    without the GIL), so during one they keep their count from before it (before the first count, they are left
+    out); ``counted`` carries that count from one report to the next. Nothing here waits for a command."""
     values: dict[str, float] = {"rss": float(psutil.Process().memory_info().rss), "time": time.time()}
     if worker.device.type == "cuda":
         import torch
 
         values["device_allocated"] = float(torch.cuda.memory_allocated(worker.device))
     counted = {} if counted is None else counted
-    if worker.lock.acquire(blocking=not counted):
+    if worker.lock.acquire(blocking=False):
         try:
             counted["engines"] = float(engine_bytes(list(worker.models.values())))
             counted["snapshots"] = float(worker.samplers.held_bytes())
