@@ -3,6 +3,7 @@
 import subprocess
 from pathlib import Path
 
+import pytest
 
 from ds_series import hunk_check
 
@@ -61,3 +62,15 @@ def test_a_hunk_of_comments_and_docstrings_is_no_code_change(tmp_path):
     changed = new.replace("x + 1", "x + 2")
     (hunk, ) = hunk_check.parse_diff("pr", _diff(tmp_path / "b", old, changed))
     assert hunk.code_changed(changed)
+
+
+def test_tool_scripts_of_a_checkout(tmp_path):
+    # The check runs the checked-out commit's stack.py and build_ops.py as scripts: where they are now, and in
+    # tools/ in a commit from before they moved.
+    for name in ("stack.py", "build_ops.py"):
+        assert hunk_check.tool_script(hunk_check.ROOT, name) == hunk_check.ROOT / "tools" / "ds_series" / name
+    (tmp_path / "tools").mkdir()
+    (tmp_path / "tools" / "build_ops.py").write_text("")
+    assert hunk_check.tool_script(tmp_path, "build_ops.py") == tmp_path / "tools" / "build_ops.py"
+    with pytest.raises(SystemExit, match="no tools/ds_series/stack.py"):
+        hunk_check.tool_script(tmp_path, "stack.py")

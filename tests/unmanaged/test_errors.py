@@ -47,7 +47,7 @@ def _truthy_value_body(value) -> list[str]:
         managed = DeepSpeedConfig(config).managed_gradient_accumulation
     finally:
         logger.warning = original
-    assert managed == value, "a truthy value is read as 0.19.8 reads it"
+    assert managed is True, "a truthy value is read as true, as 0.19.8 reads it"
     return [line for line in lines if FLAG in line]
 
 
@@ -63,9 +63,13 @@ def test_only_false_selects_unmanaged_mode_on_0_19_8(dist, value, expected):
 @pytest.mark.pr("unmanaged-flag-validation")
 @pytest.mark.parametrize("value", ["false", "true", 1])
 def test_truthy_non_boolean_flag_stays_managed_with_a_warning(dist, value):
-    """Nothing 0.19.8 accepts in managed mode is refused: the value is kept, with a warning saying how it is read."""
-    for warned in dist.run(_truthy_value_body, value):
-        assert len(warned) == 1 and "read as true" in warned[0] and repr(value) in warned[0], warned
+    """Nothing 0.19.8 accepts in managed mode is refused: the value is read as true, with a warning on rank 0 saying
+    how it is read (the string "false" too) and what selects unmanaged mode."""
+    warned = dist.run(_truthy_value_body, value)
+    first = warned[0]
+    assert len(first) == 1 and "read as true" in first[0] and repr(value) in first[0], warned
+    assert 'The string "false" also selects managed mode' in first[0] and "JSON boolean false" in first[0], warned
+    assert not any(warned[1:]), warned
 
 
 def _accessor_and_print_body() -> list:
@@ -145,14 +149,22 @@ def test_pipeline_parallelism_is_rejected_at_initialize(dist):
 
 
 def _runtime_errors_body(path_name: str, save_dir: str) -> None:
+    import deepspeed
+
     engine = ZERO_0_1_PATHS[path_name].initialize(gas=1, managed=False)
     with pytest.raises(RuntimeError, match=f"set_gradient_accumulation_boundary.*{FLAG}=false"):
         engine.set_gradient_accumulation_boundary(True)
-    with pytest.raises(RuntimeError, match=f"{FLAG}=false but no backward"):
+    if deepspeed.__version__.startswith("0.19.3"):
+        with pytest.raises(RuntimeError, match=f"{FLAG}=false but no backward"):
+            engine.step()
+        run_unmanaged(engine, [2])
+        with pytest.raises(RuntimeError, match=f"{FLAG}=false but no backward"):
+            engine.step()
+    else:
+        # The 0.19.8 series: at stages 0 and 1 a step() without backward steps on zero gradients, with a warning
         engine.step()
-    run_unmanaged(engine, [2])
-    with pytest.raises(RuntimeError, match=f"{FLAG}=false but no backward"):
-        engine.step()
+        assert engine.global_steps == 1
+        run_unmanaged(engine, [2])
     if engine.zero_optimization_stage() == 1:
         with pytest.raises(RuntimeError, match=f"coalesce_grad_reduction.*{FLAG}=false"):
             with engine.coalesce_grad_reduction():
@@ -234,6 +246,8 @@ def _per_rank_state_errors_body(path_name: str, save_dir: str) -> list:
 
 # Stages 0 and 1 only: with ZeRO-2/3 every backward communicates, so ranks cannot run different numbers of
 # them in the first place (see the tutorial).
+@pytest.mark.base("0.19.3", reason="the 0.19.8 series checks a step() on each rank alone "
+                  "(test_rank_without_backward.py)")
 @pytest.mark.world_size(2)
 @pytest.mark.parametrize("path_name", ["fp32-deepspeed-optimizer", "zero1-fp32"])
 def test_per_rank_state_errors_are_raised_on_every_rank(dist, path_name, tmp_path):
@@ -359,11 +373,70 @@ def _no_sync_on_one_rank_body() -> str:
     return str(error.value)
 
 
+@pytest.mark.base("0.19.3", reason="the 0.19.8 series refuses it on that rank alone")
 @pytest.mark.world_size(2)
 def test_step_inside_no_sync_on_one_rank_is_refused_on_every_rank(dist):
     """no_sync() is per-rank state: the rank outside it must not be left waiting in the gradient all-reduce."""
     messages = dist.run(_no_sync_on_one_rank_body)
     assert messages[0] == messages[1], messages
+
+
+def _pending_checkpoint_errors_body(save_dir: str) -> list:
+    """save_checkpoint() and load_checkpoint() with a pending backward pass on rank 0 only raise on every rank."""
+    import deepspeed.comm as ds_comm
+
+    engine = ZERO_0_1_PATHS["zero1-fp32"].initialize(gas=1, managed=False)
+    run_unmanaged(engine, [1])
+    engine.save_checkpoint(save_dir, tag="clean")
+    if ds_comm.get_rank() == 0:
+        backward(engine, forward_loss(engine, 2, 0))
+    messages = []
+    for call in (lambda: engine.save_checkpoint(save_dir, tag="pending"),
+                 lambda: engine.load_checkpoint(save_dir, tag="clean")):
+        with pytest.raises(RuntimeError, match=r"1 backward pass.* since the last step\(\)") as error:
+            call()
+        messages.append(str(error.value))
+    engine.zero_grad()
+    engine.load_checkpoint(save_dir, tag="clean")
+    destroy(engine)
+    return messages
+
+
+@pytest.mark.base("0.19.8", reason="test_per_rank_state_errors_are_raised_on_every_rank covers the 0.19.3 series")
+@pytest.mark.world_size(2)
+def test_pending_checkpoint_errors_are_raised_on_every_rank(dist, tmp_path):
+    messages = dist.run(_pending_checkpoint_errors_body, str(tmp_path))
+    assert messages[0] == messages[1], messages
+
+
+def _no_sync_on_one_rank_0_19_8_body() -> str | None:
+    """The rank inside no_sync() raises before any collective; its peer waits in the gradient reduction until that
+    rank leaves no_sync() and steps."""
+    import contextlib
+
+    import deepspeed.comm as ds_comm
+
+    engine = ZERO_0_1_PATHS["fp32-deepspeed-optimizer"].initialize(gas=1, managed=False)
+    backward(engine, forward_loss(engine, 0, 0))
+    message = None
+    with engine.no_sync() if ds_comm.get_rank() == 0 else contextlib.nullcontext():
+        if ds_comm.get_rank() == 0:
+            with _count_all_reduces() as calls:
+                with pytest.raises(RuntimeError, match=f"step\\(\\) inside no_sync\\(\\) with {FLAG}=false") as error:
+                    engine.step()
+            assert not calls, f"{len(calls)} all-reduces before the refusal"
+            message = str(error.value)
+    engine.step()
+    assert engine.global_steps == 1
+    destroy(engine)
+    return message
+
+
+@pytest.mark.base("0.19.8", reason="the 0.19.3 series refuses it on every rank")
+@pytest.mark.world_size(2)
+def test_step_inside_no_sync_is_refused_on_that_rank_before_any_collective(dist):
+    messages = dist.run(_no_sync_on_one_rank_0_19_8_body)
+    assert messages[0] and messages[1] is None, messages
 
 
 def _mics_replication_body() -> None:

@@ -40,3 +40,40 @@ def test_rank_without_backward_raises_before_any_collective(dist, path_name):
     # Every rank applied the same step afterwards
     for name, value in params[0].items():
         assert all(value.equal(other[name]) for other in params[1:]), name
+
+
+def _rank_without_backward_contributes_zeros_body(path_name: str) -> bool:
+    """Rank 0 runs no backward in the second step (no rank in the third): the same as a reference whose missing
+    backward passes run on a zero loss."""
+    import torch
+
+    import deepspeed.comm as ds_comm
+
+    plan = [[1, 1], [0, 1], [0, 0], [1, 2]]  # backward passes per step, per rank
+    engines = [PATHS[path_name].initialize(gas=1, managed=False) for _ in "ab"]
+    engine, reference = engines
+    rank = ds_comm.get_rank()
+    for step, counts in enumerate(plan):
+        for i in range(max(counts)):
+            if i < counts[rank]:
+                backward(engine, forward_loss(engine, step, i))
+                backward(reference, forward_loss(reference, step, i))
+            else:
+                backward(reference, forward_loss(reference, step, i) * 0)
+        engine.step()
+        reference.step()
+    actual, expected = snapshot(engine).params, snapshot(reference).params
+    destroy(*engines)
+    return all(torch.equal(actual[name], expected[name]) for name in expected)
+
+
+@pytest.mark.base("0.19.8", reason="the 0.19.3 series refuses such a step on every rank "
+                  "(tests/unmanaged/test_errors.py)")
+@pytest.mark.pr("unmanaged-step-checks")
+@pytest.mark.world_size(2)
+@pytest.mark.parametrize("path_name", ["fp32-deepspeed-optimizer", "bf16", "zero1-fp32",
+                                       "zero1-bf16-fp32-accumulation", "zero1-offload", "zero1-branchy"])
+def test_at_zero_0_1_a_rank_without_backward_contributes_zeros(dist, path_name):
+    """ZeRO stages 0 and 1: backward does not communicate, so a rank without backward (or with fewer) steps with its
+    peers, contributing zero gradients: no collective decides it, and nothing desyncs."""
+    assert dist.run(_rank_without_backward_contributes_zeros_body, path_name) == [True] * dist.world_size

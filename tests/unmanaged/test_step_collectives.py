@@ -1,8 +1,9 @@
-"""An unmanaged step() costs nothing that was not asked for: at ZeRO stages 2 and 3, without a gradient_divide_factor,
-a logical step (N backward passes and one step()) issues exactly the collectives of a managed boundary step with
-gradient_accumulation_steps = N, call for call and byte for byte, and reads the device from the host exactly as often;
-a factor adds exactly one small all-reduce and its one host read. At stages 0 and 1, whose backward does not
-communicate in unmanaged mode, the step's one all-reduce of per-rank checks carries the factor at no extra cost.
+"""An unmanaged step() costs nothing that was not asked for: without a gradient_divide_factor, a logical step (N
+backward passes and one step()) issues exactly the collectives of a managed boundary step with
+gradient_accumulation_steps = N, call for call and byte for byte, and reads the device from the host exactly as often:
+at ZeRO stages 2 and 3 on both series, at stages 0 and 1 on the 0.19.8 series (whose checks there are rank-local); a
+factor adds exactly one small all-reduce and its one host read. On the 0.19.3 series, at stages 0 and 1, the step's
+one all-reduce of per-rank checks carries the factor at no extra cost.
 
 Collectives are counted by the benchmarks' counter (``ds_bench.comm_counter``, wrapping the communication backend
 that every ``deepspeed.comm`` collective ends in); host reads by wrapping the tensor methods that copy a value to the
@@ -15,8 +16,8 @@ from contextlib import contextmanager
 
 import pytest
 
-pytestmark = pytest.mark.base("0.19.3", reason="the 0.19.3 series' step checks (their sizes and PRs); the 0.19.8 series "
-                              "makes the same promise with its own checks")
+ON_0_19_3 = pytest.mark.base("0.19.3", reason="the 0.19.3 series' step checks (their sizes and PRs)")
+ON_0_19_8 = pytest.mark.base("0.19.8", reason="the 0.19.8 series' rank-local step checks")
 
 N = 2
 #: The factor check at ZeRO stages 2 and 3: (min, max) pairs of 3 int64 (the factor's state, mantissa, exponent).
@@ -102,6 +103,7 @@ def _stage(pr: str, *names: str):
     return [pytest.param(name, marks=pytest.mark.pr(pr), id=name) for name in names]
 
 
+@ON_0_19_3
 @pytest.mark.world_size(2)
 @pytest.mark.parametrize("path_name",
                          _stage("zero-2", "zero2-fp32", "zero2-overlap-comm") + _stage("zero-3", "zero3-fp32") +
@@ -114,6 +116,7 @@ def test_unmanaged_step_at_zero_2_3_adds_no_collective_and_no_host_read(dist, pa
         assert unmanaged["host_reads"] == managed["host_reads"]
 
 
+@ON_0_19_3
 @pytest.mark.pr("gradient-divide-factor")
 @pytest.mark.world_size(2)
 @pytest.mark.parametrize("path_name", ["zero2-fp32", "zero3-fp32", "zero2-offload", "zero3-offload"])
@@ -125,6 +128,7 @@ def test_a_factor_at_zero_2_3_adds_one_small_all_reduce_and_one_host_read(dist, 
         assert factor["host_reads"] == _plus_one_read(managed["host_reads"])
 
 
+@ON_0_19_3
 @pytest.mark.pr("gradient-divide-factor")
 @pytest.mark.world_size(2)
 @pytest.mark.parametrize("path_name", ["fp32-deepspeed-optimizer", "zero1-fp32"])
@@ -134,3 +138,33 @@ def test_at_zero_0_1_the_factor_travels_in_the_step_check(dist, path_name):
         assert unmanaged["collectives"] == _plus_one_all_reduce(managed["collectives"], STEP_CHECK_BYTES)
         assert factor["collectives"] == unmanaged["collectives"]
         assert unmanaged["host_reads"] == factor["host_reads"] == _plus_one_read(managed["host_reads"])
+
+
+#: Every way the unmanaged step reduces: the engine's all-reduce (fp32, the BF16 optimizer), ZeRO-1's reduce_gradients()
+#: (fp32, offload), ZeRO-2/3's finalize (with and without offload).
+PATHS_0_19_8 = ["fp32-deepspeed-optimizer", "bf16", "zero1-fp32", "zero1-bf16-fp32-accumulation", "zero1-offload",
+                "zero2-fp32", "zero2-overlap-comm", "zero3-fp32", "zero2-offload", "zero3-offload"]
+
+
+@ON_0_19_8
+@pytest.mark.pr("unmanaged-step-checks")
+@pytest.mark.world_size(2)
+@pytest.mark.parametrize("path_name", PATHS_0_19_8)
+def test_unmanaged_step_adds_no_collective_and_no_host_read(dist, path_name):
+    for costs in dist.run(step_costs_body, path_name):
+        managed, unmanaged = costs["managed"], costs["unmanaged"]
+        assert managed["collectives"], "a step on 2 ranks communicates"
+        assert unmanaged["collectives"] == managed["collectives"]
+        assert unmanaged["host_reads"] == managed["host_reads"]
+
+
+@ON_0_19_8
+@pytest.mark.pr("gradient-divide-factor")
+@pytest.mark.world_size(2)
+@pytest.mark.parametrize("path_name", ["fp32-deepspeed-optimizer", "zero1-fp32", "zero2-fp32", "zero3-fp32"])
+def test_a_factor_adds_one_small_all_reduce_and_one_host_read(dist, path_name):
+    for costs in dist.run(step_costs_body, path_name, True):
+        managed, unmanaged, factor = costs["managed"], costs["unmanaged"], costs["factor"]
+        assert unmanaged["collectives"] == managed["collectives"]
+        assert factor["collectives"] == _plus_one_all_reduce(managed["collectives"], FACTOR_CHECK_BYTES)
+        assert factor["host_reads"] == _plus_one_read(managed["host_reads"])

@@ -269,6 +269,15 @@ def log(message: str) -> None:
     print(f"[hunk_check {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
+def tool_script(src: Path, name: str) -> Path:
+    """The tool ``name`` (``stack.py``, ``build_ops.py``) of the checkout ``src``: in ``tools/ds_series/``, or in
+    ``tools/`` in a commit from before the tools became a package."""
+    for folder in ("tools/ds_series", "tools"):
+        if (src / folder / name).is_file():
+            return src / folder / name
+    raise SystemExit(f"error: {src} has no tools/ds_series/{name} (nor tools/{name})")
+
+
 def run(argv: list[str], cwd: Path | None = None, env: dict | None = None, check: bool = True) -> str:
     result = subprocess.run(argv, cwd=cwd, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     if check and result.returncode != 0:
@@ -423,8 +432,8 @@ class Checker:
             env["DS_SERIES_UPSTREAM_FILES"] = str((ROOT / extras["source"]).resolve())
         log(f"materializing the {self.base} series of main {self.commit[:12]} in {self.tree.relative_to(ROOT)}")
         # That commit's own stack tool, run as a script (standard library only; it finds patches/ beside it).
-        script = next(p for p in ("tools/ds_series/stack.py", "tools/stack.py") if (self.src / p).is_file())
-        run([sys.executable, script, "--base", self.base, "materialize"], cwd=self.src, env=env)
+        script = tool_script(self.src, "stack.py")
+        run([sys.executable, str(script), "--base", self.base, "materialize"], cwd=self.src, env=env)
 
     def series(self) -> list[str]:
         names = []
@@ -718,7 +727,7 @@ class Checker:
     def build_ops(self) -> None:
         """Build (or find built) the JIT ops once, outside the tests' timeouts; a no-op when they are up to date."""
         self._clear_stale_locks()
-        rc, seconds = run_with_timeout([str(self.python), str(self.src / "tools" / "build_ops.py")], Path("/tmp"),
+        rc, seconds = run_with_timeout([str(self.python), str(tool_script(self.src, "build_ops.py"))], Path("/tmp"),
                                        self.env, 3600, self.logs / "build_ops.log")
         if rc != 0:
             raise SystemExit(f"error: building DeepSpeed's ops failed; see {self.logs / 'build_ops.log'}")

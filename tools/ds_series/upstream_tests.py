@@ -84,8 +84,9 @@ UPSTREAM_TESTS_ENV = "DS_UPSTREAM_TESTS_{}"
 #: ZeRO stages 1-3, offload and the user-backward API (``v1/zero``); the engine, config, precision, ZeRO config and
 #: ZeRO-3 runtime tests (``runtime``, which holds the config tests ``test_ds_config_dict.py``,
 #: ``test_ds_config_model.py`` and ``zero/test_zero_config.py``); the bf16/fp16 optimizers (``v1/half_precision``);
-#: the hybrid engine; engine and ZeRO checkpoints.
-FULL_SCOPE = ("unit/v1/zero", "unit/runtime", "unit/v1/half_precision", "unit/hybrid_engine", "unit/checkpoint")
+#: the hybrid engine; engine and ZeRO checkpoints; the DistributedTest harness's test a PR adds (``v1/``).
+FULL_SCOPE = ("unit/v1/zero", "unit/runtime", "unit/v1/half_precision", "unit/hybrid_engine", "unit/checkpoint",
+              "unit/v1/test_dist_harness.py")
 
 #: What CI runs (``--subset ci``; see CONTRIBUTING.md, "What CI runs", for how it was chosen): these files (under ``tests/``), which
 #: exercise every file a PR of either series touches, with ONE parametrization of each test function (the first

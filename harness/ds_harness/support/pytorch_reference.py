@@ -4,7 +4,7 @@ Each rank computes it alone over every rank's micro-batches (data depends only o
 it needs no communication: the loss of every micro-batch divided by (micro-batches per step x world size),
 summed into every parameter's gradient, a zero gradient for a parameter that got none (DeepSpeed steps
 every parameter it holds), clipping over the real gradients, torch's AdamW with the settings of
-``training.base_config``.
+``training.base_config``. ``grad_hook(model, step)`` sees (and may rewrite) the reduced gradients before clipping.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ def run(model_fn: Callable[[], torch.nn.Module],
         plan: Sequence[int | Sequence[int]],
         world_size: int,
         clip: float = 0.0,
-        prepare: Callable[[torch.nn.Module, int, int], None] | None = None) -> dict[str, torch.Tensor]:
+        prepare: Callable[[torch.nn.Module, int, int], None] | None = None,
+        grad_hook: Callable[[torch.nn.Module, int], None] | None = None) -> dict[str, torch.Tensor]:
     """Parameters after one optimizer step per entry of ``plan``.
 
     An entry is N (micro-batches 0..N-1 of every rank) or the indices of the micro-batches the step keeps
@@ -39,6 +40,8 @@ def run(model_fn: Callable[[], torch.nn.Module],
                     prepare(model, step, index)
                 x, y = training.micro_batch(step, index, rank=rank)
                 (training.loss_fn(model(x), y) / (len(indices) * world_size)).backward()
+        if grad_hook is not None:
+            grad_hook(model, step)
         if clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         optimizer.step()

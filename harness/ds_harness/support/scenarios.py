@@ -571,12 +571,14 @@ def gas_scaling_mismatch_warnings(path_name: str) -> list:
 
 def _wrong_factors(kind: str, stage: int) -> list:
     """(factor, message pattern) pairs one rank passes while its peers pass 4.0; built on the rank (a meta tensor
-    does not travel). A factor missing on one rank is checked at ZeRO stages 0 and 1 only: at stages 2 and 3 a
-    step() without a factor makes no collective of its own, exactly as a managed boundary step."""
+    does not travel). A factor missing on one rank is checked only where a step() without a factor makes a
+    collective of its own: at ZeRO stages 0 and 1 of the 0.19.3 series. At ZeRO-2/3, and at every stage of the
+    0.19.8 series, it makes none, exactly as a managed boundary step."""
     if kind == "unreadable":  # a 0-dim factor that is no real number: .item() raises, or float() does
         return [(torch.tensor(2.0, device="meta"), "gradient_divide_factor"),
                 (torch.tensor(2.0 + 0j), "gradient_divide_factor")]
-    missing = [(None, "on every data-parallel rank or on none")] if stage < 2 else []
+    checks_missing = stage < 2 and deepspeed.__version__.startswith("0.19.3")
+    missing = [(None, "on every data-parallel rank or on none")] if checks_missing else []
     return [(torch.tensor([2.0, 2.0]), "gradient_divide_factor"), (-1.0, "gradient_divide_factor")] + missing
 
 
