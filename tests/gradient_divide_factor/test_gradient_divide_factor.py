@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from ds_harness.support import scenarios
+from ds_harness.support.divisor import divisor_config, divisor_step_kwargs
 
 pytestmark = pytest.mark.pr("gradient-divide-factor")
 
@@ -37,6 +38,7 @@ def test_norm_and_clipping_see_the_normalised_gradient(dist, path_name):
     dist.run(scenarios.clipping_sees_the_normalised_gradient, path_name)
 
 
+@pytest.mark.base("0.19.3", reason="the 0.19.3 series' global factor; the 0.19.8 series' per-rank count is tested in its PR's own test module")
 @pytest.mark.world_size(1, 2)
 # Both ways of applying the factor: the all-reduce's averaging (fp32 without ZeRO), the ZeRO optimizer's ratio
 @pytest.mark.parametrize("path_name", ["fp32-deepspeed-optimizer", "zero2-fp32"])
@@ -44,6 +46,7 @@ def test_the_factor_lasts_one_step(dist, path_name):
     dist.run(scenarios.factor_lasts_one_step, path_name)
 
 
+@pytest.mark.base("0.19.3", reason="the 0.19.3 series' global factor; the 0.19.8 series' per-rank count is tested in its PR's own test module")
 @pytest.mark.world_size(2, 4)
 @pytest.mark.parametrize("path_name", ["zero1-fp32", "zero3-fp32"])
 def test_a_factor_differing_across_ranks_raises_on_every_rank(dist, path_name):
@@ -51,6 +54,7 @@ def test_a_factor_differing_across_ranks_raises_on_every_rank(dist, path_name):
     assert len(set(messages)) == 1, messages
 
 
+@pytest.mark.base("0.19.3", reason="the 0.19.3 series' global factor; the 0.19.8 series' per-rank count is tested in its PR's own test module")
 @pytest.mark.world_size(1)
 def test_invalid_factors_and_managed_mode_are_errors(dist):
     dist.run(scenarios.factor_errors, "zero1-fp32")
@@ -64,6 +68,7 @@ def test_gas_scaling_mismatch_warns_once_exactly_when_it_should(dist):
     assert counts == [[0, 0, 0, 0, 1, 0]] + [[0] * 6] * (dist.world_size - 1), "once, on rank 0 only"
 
 
+@pytest.mark.base("0.19.3", reason="the 0.19.3 series' global factor; the 0.19.8 series' per-rank count is tested in its PR's own test module")
 @pytest.mark.world_size(2)
 @pytest.mark.parametrize("path_name", ["fp32-deepspeed-optimizer", "zero2-fp32", "zero3-fp32"])
 def test_a_factor_wrong_on_one_rank_raises_on_every_rank(dist, path_name):
@@ -134,14 +139,14 @@ def _sparse_gradients_take_the_factor() -> None:
                 model_fn=_make_embedding_model)
     runs = []
     for with_factor in (True, False):
-        engine = path.initialize(gas=1, managed=False)
+        engine = path.initialize(gas=1, managed=False, **(divisor_config() if with_factor else {}))
         for step in range(3):
             for i in range(2):
                 loss = forward_loss(engine, step, i)
                 engine.backward(loss if with_factor else loss * 0.5, scale_wrt_gas=False)
             assert engine.module.embed.weight.grad.is_sparse
             if with_factor:
-                engine.step(gradient_divide_factor=2.0 * engine.dp_world_size)
+                engine.step(**divisor_step_kwargs(2.0 * engine.dp_world_size, 2))
             else:
                 engine.step()
         runs.append(snapshot(engine))
@@ -216,6 +221,7 @@ def _legacy_fused_norm_is_normalised() -> None:
                                rtol=2 * torch.finfo(torch.float16).eps, atol=0)
 
 
+@pytest.mark.base("0.19.3", reason="the 0.19.3 series' global factor; the 0.19.8 series' per-rank count is tested in its PR's own test module")
 @pytest.mark.world_size(1, 2)
 def test_legacy_fused_fp16_norm_sees_the_normalised_gradient(dist):
     dist.run(_legacy_fused_norm_is_normalised)
@@ -246,6 +252,7 @@ def _hybrid_engine_takes_the_factor() -> None:
         assert torch.equal(results[0][name], p), name
 
 
+@pytest.mark.base("0.19.3", reason="the 0.19.3 series' global factor; the 0.19.8 series' per-rank count is tested in its PR's own test module")
 @pytest.mark.world_size(2)
 def test_hybrid_engine_step_takes_the_factor(dist):
     dist.run(_hybrid_engine_takes_the_factor)
@@ -303,7 +310,7 @@ def _logical_step_collectives(path_name: str, managed: bool, factor: float | Non
     from ds_harness.support.paths import PATHS
     from ds_harness.support.training import destroy, forward_loss
 
-    engine = PATHS[path_name].initialize(gas=2, managed=managed)
+    engine = PATHS[path_name].initialize(gas=2, managed=managed, **(divisor_config() if factor else {}))
     for step in range(2):
         with CommCounter() as counter:
             for i in range(2):
@@ -311,7 +318,7 @@ def _logical_step_collectives(path_name: str, managed: bool, factor: float | Non
                 if managed:
                     engine.step()
             if not managed:
-                engine.step(gradient_divide_factor=factor)
+                engine.step(**(divisor_step_kwargs(factor, 2) if factor else {}))
         counts = counter.snapshot()
     destroy(engine)
     return counts
@@ -323,11 +330,13 @@ def _logical_step_collectives(path_name: str, managed: bool, factor: float | Non
 def test_unmanaged_step_without_a_factor_adds_no_collective_at_zero_2_and_3(dist, path_name):
     """At ZeRO stages 2 and 3 an unmanaged step() without a factor communicates exactly as a managed boundary
     step (no check of its own, so no host read of one either); with a factor it adds one all-reduce of three int64
-    and their negations (whether any rank's factor is invalid, and its exact integer parts)."""
+    and their negations (whether any rank's factor is invalid, and its exact integer parts), with
+    require_gradient_divide_count one all-reduce of three int64 (the counts' sum, and how many are negative or
+    invalid)."""
     managed = dist.run(_logical_step_collectives, path_name, True, None)
     assert all(counts for counts in managed), "a ZeRO-2/3 step on 2 ranks communicates"
     assert dist.run(_logical_step_collectives, path_name, False, None) == managed
     for counts, expected in zip(dist.run(_logical_step_collectives, path_name, False, 4.0), managed):
         all_reduce = expected.get("all_reduce", {"calls": 0, "bytes": 0})
-        expected = {**expected, "all_reduce": {"calls": all_reduce["calls"] + 1, "bytes": all_reduce["bytes"] + 48}}
+        expected = {**expected, "all_reduce": {"calls": all_reduce["calls"] + 1, "bytes": all_reduce["bytes"] + 24}}
         assert counts == expected

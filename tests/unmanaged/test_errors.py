@@ -47,28 +47,28 @@ def _truthy_value_body(value) -> list[str]:
         managed = DeepSpeedConfig(config).managed_gradient_accumulation
     finally:
         logger.warning = original
-    assert managed is True, "a truthy value is read as true, as 0.19.8 reads it"
+    assert managed is bool(value), "a non-boolean is read for its truthiness, as 0.19.8 reads it"
     return [line for line in lines if FLAG in line]
 
 
 @pytest.mark.base("0.19.8", reason="0.19.8 already reads a non-boolean flag for its truthiness")
 @pytest.mark.pr("unmanaged-flag-validation")
-@pytest.mark.parametrize("value,expected", [("absent", True), (True, True), (False, False), (0, None), (None, None),
-                                            ("", None)])
-def test_only_false_selects_unmanaged_mode_on_0_19_8(dist, value, expected):
+@pytest.mark.parametrize("value,expected", [("absent", True), (True, True), (False, False)])
+def test_boolean_flag_on_0_19_8(dist, value, expected):
     dist.run(_config_value_body, value, expected)
 
 
 @pytest.mark.base("0.19.8", reason="0.19.8 already reads a non-boolean flag for its truthiness")
 @pytest.mark.pr("unmanaged-flag-validation")
-@pytest.mark.parametrize("value", ["false", "true", 1])
-def test_truthy_non_boolean_flag_stays_managed_with_a_warning(dist, value):
-    """Nothing 0.19.8 accepts in managed mode is refused: the value is read as true, with a warning on rank 0 saying
-    how it is read (the string "false" too) and what selects unmanaged mode."""
+@pytest.mark.parametrize("value", ["false", "true", 1, 0, None, ""])
+def test_non_boolean_flag_read_for_its_truthiness_with_a_warning(dist, value):
+    """Every config 0.19.8 accepts starts in the same mode: a non-boolean is read for its truthiness, with a warning
+    on rank 0 saying how it was read (the string "false" is read as true) and what selects unmanaged mode."""
     warned = dist.run(_truthy_value_body, value)
     first = warned[0]
-    assert len(first) == 1 and "read as true" in first[0] and repr(value) in first[0], warned
-    assert 'The string "false" also selects managed mode' in first[0] and "JSON boolean false" in first[0], warned
+    read_as = f"read as {str(bool(value)).lower()}"
+    assert len(first) == 1 and read_as in first[0] and repr(value) in first[0], warned
+    assert 'The string "false" is read as true' in first[0] and "JSON boolean false" in first[0], warned
     assert not any(warned[1:]), warned
 
 
@@ -171,7 +171,7 @@ def _runtime_errors_body(path_name: str, save_dir: str) -> None:
                 pass
     backward(engine, forward_loss(engine, 3, 0))
     backward(engine, forward_loss(engine, 3, 1))
-    with pytest.raises(RuntimeError, match=r"drop the gradients of 2 backward pass\(es\)"):
+    with pytest.raises(RuntimeError, match=r"(drop|leave out of the checkpoint) the gradients of 2 backward pass\(es\)"):
         engine.save_checkpoint(save_dir)
     engine.step()
     engine.save_checkpoint(save_dir)

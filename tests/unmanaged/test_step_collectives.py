@@ -22,6 +22,9 @@ ON_0_19_8 = pytest.mark.base("0.19.8", reason="the 0.19.8 series' rank-local ste
 N = 2
 #: The factor check at ZeRO stages 2 and 3: (min, max) pairs of 3 int64 (the factor's state, mantissa, exponent).
 FACTOR_CHECK_BYTES = 3 * 2 * 8
+#: The 0.19.8 series' step(gradient_divide_count=...): one all-reduce of three int64 (the counts' sum, how many are
+#: negative, how many are missing or invalid)
+COUNT_CHECK_BYTES = 3 * 8
 #: The step check at stages 0 and 1: (min, max) pairs of 5 int64 (backward count, no_sync(), the factor's three).
 STEP_CHECK_BYTES = 5 * 2 * 8
 
@@ -57,7 +60,10 @@ def _logical_step_costs(path_name: str, managed: bool, factor: float | None) -> 
     from ds_harness.support.paths import PATHS
     from ds_harness.support.training import destroy, forward_loss
 
-    engine = PATHS[path_name].initialize(gas=N if managed else 1, managed=managed)
+    from ds_harness.support.divisor import divisor_config, divisor_step_kwargs
+
+    more = divisor_config() if factor is not None else {}
+    engine = PATHS[path_name].initialize(gas=N if managed else 1, managed=managed, **more)
     costs = {}
     for step in range(2):
         reads: dict = {}
@@ -70,7 +76,7 @@ def _logical_step_costs(path_name: str, managed: bool, factor: float | None) -> 
                 else:
                     engine.backward(loss)
             if not managed:
-                engine.step(**({} if factor is None else {"gradient_divide_factor": factor}))
+                engine.step(**({} if factor is None else divisor_step_kwargs(factor, 2)))
             costs = {"collectives": counter.snapshot(), "host_reads": reads}
     assert engine.global_steps == 2
     destroy(engine)
@@ -162,9 +168,9 @@ def test_unmanaged_step_adds_no_collective_and_no_host_read(dist, path_name):
 @pytest.mark.pr("gradient-divide-factor")
 @pytest.mark.world_size(2)
 @pytest.mark.parametrize("path_name", ["fp32-deepspeed-optimizer", "zero1-fp32", "zero2-fp32", "zero3-fp32"])
-def test_a_factor_adds_one_small_all_reduce_and_one_host_read(dist, path_name):
+def test_a_count_adds_one_small_all_reduce_and_one_host_read(dist, path_name):
     for costs in dist.run(step_costs_body, path_name, True):
         managed, unmanaged, factor = costs["managed"], costs["unmanaged"], costs["factor"]
         assert unmanaged["collectives"] == managed["collectives"]
-        assert factor["collectives"] == _plus_one_all_reduce(managed["collectives"], FACTOR_CHECK_BYTES)
+        assert factor["collectives"] == _plus_one_all_reduce(managed["collectives"], COUNT_CHECK_BYTES)
         assert factor["host_reads"] == _plus_one_read(managed["host_reads"])

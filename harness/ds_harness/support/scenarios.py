@@ -9,11 +9,22 @@ import deepspeed.comm as ds_comm
 import pytest
 import torch
 
-from .paths import PATHS
+from .divisor import divisor_config, divisor_step_kwargs
+from .paths import PATHS, make_branchy_model
 from .training import (MICRO_BATCH, assert_identical, backward, destroy, forward_loss, run_boundary_driven,
                        run_managed, run_unmanaged, snapshot)
 
 STEPS = 3
+
+
+def _summation_order_may_differ(path_name: str) -> bool:
+    """Whether an unmanaged step may sum the ranks' gradients in another order than the managed one: at ZeRO-1 the
+    0.19.8 series reduces zeros for a parameter no rank's backward reached (managed mode skips it), which moves the
+    other gradients within the reduction buckets, and with more than two ranks the ring all-reduce's order of
+    summation depends on a gradient's place in its bucket."""
+    path = PATHS[path_name]
+    return (path.stage == 1 and ds_comm.get_world_size() > 2 and deepspeed.__version__.startswith("0.19.8")
+            and path.model_fn is make_branchy_model)
 
 
 def fixed_n_parity(path_name: str, n: int) -> None:
@@ -26,7 +37,10 @@ def fixed_n_parity(path_name: str, n: int) -> None:
     unmanaged = path.initialize(gas=n, managed=False)
     run_unmanaged(unmanaged, [n] * STEPS)
     assert unmanaged.global_steps == STEPS
-    assert_identical(expected, snapshot(unmanaged), f"{path_name}, N={n}")
+    assert_identical(expected,
+                     snapshot(unmanaged),
+                     f"{path_name}, N={n}",
+                     rounding=_summation_order_may_differ(path_name))
     destroy(unmanaged)
 
 
@@ -43,7 +57,11 @@ def variable_n_parity(path_name: str, plan: list) -> None:
     # the samples of every backward pass.
     actual = snapshot(unmanaged)
     assert actual.scalars["global_samples"] == MICRO_BATCH * ds_comm.get_world_size() * sum(plan)
-    assert_identical(expected, actual, f"{path_name}, plan {plan}", ignore={"global_samples"})
+    assert_identical(expected,
+                     actual,
+                     f"{path_name}, plan {plan}",
+                     ignore={"global_samples"},
+                     rounding=_summation_order_may_differ(path_name))
     destroy(unmanaged)
 
 
@@ -120,8 +138,12 @@ def zero_grad_discards(path_name: str) -> None:
     for i in range(3):  # a partial accumulation on other data, then discarded
         backward(engine, forward_loss(engine, 99, i))
     engine.zero_grad()
-    with pytest.raises(RuntimeError, match="no backward"):
-        engine.step()  # the discarded backward passes are not pending any more
+    if engine.zero_optimization_stage() >= 2 or deepspeed.__version__.startswith("0.19.3"):
+        with pytest.raises(RuntimeError, match="no backward"):
+            engine.step()  # the discarded backward passes are not pending any more
+    else:
+        # At ZeRO-0/1 the 0.19.8 series steps on zeros after no backward (a warning), so the count says it
+        assert engine._unmanaged_backward_count == 0
     run_unmanaged(engine, [2], first_step=1)
     assert_identical(expected, snapshot(engine), f"{path_name}: zero_grad() must discard the partial accumulation")
     destroy(engine)
@@ -343,16 +365,21 @@ def _global_tokens(plan_step_n: int, step: int) -> float:
 
 
 def _run_token_mean(path_name: str, plan: list, predivide: bool, as_tensor: bool = False, **more) -> object:
-    engine = PATHS[path_name].initialize(gas=1, managed=False, scheduler=None, **more)
+    engine = PATHS[path_name].initialize(gas=1, managed=False, scheduler=None, **divisor_config(), **more)
+    rank = ds_comm.get_rank()
     norms = []
     for step, n in enumerate(plan):
         tokens = _global_tokens(n, step)
+        local_tokens = 0
         for i in range(n):
-            loss, _ = _token_sum_loss(engine, step, i)
+            loss, count = _token_sum_loss(engine, step, i)
+            local_tokens += int(count.item())
             engine.backward(loss / tokens if predivide else loss, scale_wrt_gas=False)
         assert engine.pending_backward_count() == n
-        factor = 1.0 if predivide else tokens
-        engine.step(gradient_divide_factor=torch.tensor(factor) if as_tensor else factor)
+        # Pre-divided losses: a divisor of 1 (with per-rank counts, rank 0's 1 and zeros)
+        factor, local = (1.0, int(rank == 0)) if predivide else (tokens, local_tokens)
+        engine.step(**divisor_step_kwargs(torch.tensor(factor) if as_tensor else factor,
+                                          torch.tensor(local) if as_tensor else local))
         assert engine.pending_backward_count() == 0
         norms.append(engine.get_global_grad_norm())
     result = snapshot(engine)
@@ -427,11 +454,12 @@ def micro_batch_mean_recipe_equals_managed(path_name: str, n: int) -> None:
     run_managed(managed, [n] * STEPS)
     expected = snapshot(managed)
     destroy(managed)
-    engine = PATHS[path_name].initialize(gas=n, managed=False, scheduler=None)
+    engine = PATHS[path_name].initialize(gas=n, managed=False, scheduler=None, **divisor_config())
     for step in range(STEPS):
         for i in range(n):
             engine.backward(forward_loss(engine, step, i), scale_wrt_gas=False)
-        engine.step(gradient_divide_factor=engine.pending_backward_count() * engine.dp_world_size)
+        pending = engine.pending_backward_count()
+        engine.step(**divisor_step_kwargs(pending * engine.dp_world_size, pending))
     actual = snapshot(engine)
     destroy(engine)
     if exact:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
@@ -263,13 +264,15 @@ def flatten(obj: Any, prefix: str = "") -> list[tuple[str, Any]]:
     return [(prefix, type(obj).__name__)]  # not repr(): it may hold a memory address
 
 
-def differences(a: Snapshot, b: Snapshot, ignore: Iterable[str] = ()) -> list[str]:
-    """Every place where two snapshots are not bitwise identical (empty when they are)."""
+def differences(a: Snapshot, b: Snapshot, ignore: Iterable[str] = (), *, rounding: bool = False) -> list[str]:
+    """Every place where two snapshots are not bitwise identical (empty when they are); with ``rounding``, only the
+    places that differ by more than a different order of floating-point summation explains."""
+    same = _close if rounding else bitwise_equal
     out = []
     if a.params.keys() != b.params.keys():
         out.append(f"parameter names differ: {sorted(a.params)} vs {sorted(b.params)}")
     for name in sorted(a.params.keys() & b.params.keys()):
-        if not bitwise_equal(a.params[name], b.params[name]):
+        if not same(a.params[name], b.params[name]):
             diff = (a.params[name].double() - b.params[name].double()).abs().max().item()
             out.append(f"param {name}: max abs diff {diff:.3e}")
     paths_a = [k for k, _ in a.optimizer]
@@ -278,14 +281,27 @@ def differences(a: Snapshot, b: Snapshot, ignore: Iterable[str] = ()) -> list[st
         out.append(f"optimizer state layout differs: {set(paths_a) ^ set(paths_b)}")
     for (path, va), (_, vb) in zip(a.optimizer, b.optimizer):
         if isinstance(va, torch.Tensor) or isinstance(vb, torch.Tensor):
-            if not (isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor) and bitwise_equal(va, vb)):
+            if not (isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor) and same(va, vb)):
                 out.append(f"optimizer state {path} differs")
-        elif va != vb and not (va != va and vb != vb):  # NaN == NaN for this purpose
-            out.append(f"optimizer state {path}: {va!r} vs {vb!r}")
+        elif va != vb and not (va != va and vb != vb) and not (rounding and _close_numbers(va, vb)):
+            out.append(f"optimizer state {path}: {va!r} vs {vb!r}")  # NaN == NaN for this purpose
     for key in a.scalars:
-        if key not in ignore and a.scalars[key] != b.scalars.get(key):
-            out.append(f"{key}: {a.scalars[key]!r} vs {b.scalars.get(key)!r}")
+        va, vb = a.scalars[key], b.scalars.get(key)
+        if key not in ignore and va != vb and not (rounding and _close_numbers(va, vb)):
+            out.append(f"{key}: {va!r} vs {vb!r}")
     return out
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if not a.is_floating_point():
+        return torch.equal(a, b)
+    return torch.allclose(a.double(), b.double(), rtol=1e-5, atol=1e-7, equal_nan=True)
+
+
+def _close_numbers(a: Any, b: Any) -> bool:
+    return isinstance(a, float) and isinstance(b, float) and math.isclose(a, b, rel_tol=1e-5, abs_tol=1e-7)
 
 
 def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -294,9 +310,11 @@ def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
 
 
-def assert_identical(a: Snapshot, b: Snapshot, what: str = "", ignore: Iterable[str] = ()) -> None:
-    diffs = differences(a, b, ignore)
-    assert not diffs, f"{what} not bitwise identical:\n  " + "\n  ".join(diffs[:20])
+def assert_identical(a: Snapshot, b: Snapshot, what: str = "", ignore: Iterable[str] = (), *,
+                     rounding: bool = False) -> None:
+    diffs = differences(a, b, ignore, rounding=rounding)
+    kind = "equal up to summation order" if rounding else "bitwise identical"
+    assert not diffs, f"{what} not {kind}:\n  " + "\n  ".join(diffs[:20])
 
 
 def assert_params_close(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], what: str, *, rtol: float,
