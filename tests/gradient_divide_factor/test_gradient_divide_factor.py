@@ -310,7 +310,8 @@ def _logical_step_collectives(path_name: str, managed: bool, factor: float | Non
     from ds_harness.support.paths import PATHS
     from ds_harness.support.training import destroy, forward_loss
 
-    engine = PATHS[path_name].initialize(gas=2, managed=managed, **(divisor_config() if factor else {}))
+    # The count's option refuses gradient_accumulation_steps other than 1
+    engine = PATHS[path_name].initialize(gas=1 if factor else 2, managed=managed, **(divisor_config() if factor else {}))
     for step in range(2):
         with CommCounter() as counter:
             for i in range(2):
