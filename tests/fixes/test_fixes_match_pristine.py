@@ -41,8 +41,15 @@ def pristine() -> dict:
     return reference_results(WORLD_SIZE, upto=PRISTINE, table=TABLE)
 
 
+#: Cases a fix PR changes on purpose although every parameter gets a gradient, and where that is tested instead
+CHANGED_ON_PURPOSE = {
+    "zero2-offload-safe-full-grad": "fix-zero-offload-stale-grads: a value safe_set_full_grad() sets counts in the "
+                                    "clipping norm (pristine kept the replaced gradient's); tests/gradient_api/",
+}
+
+
 @pytest.mark.world_size(WORLD_SIZE)
-@pytest.mark.parametrize("name", list(EVERY_GRADIENT_CASES))
+@pytest.mark.parametrize("name", [name for name in EVERY_GRADIENT_CASES if name not in CHANGED_ON_PURPOSE])
 def test_every_gradient_case_matches_pristine_bitwise(dist, name: str, pristine: dict, tmp_path) -> None:
     results = dist.run(fixed_run, name, str(tmp_path), TABLE)
     expected = pristine[name]
