@@ -75,13 +75,7 @@ def test_a_factor_wrong_on_one_rank_raises_on_every_rank(dist, path_name):
     messages = dist.run(scenarios.factor_errors_on_one_rank, path_name)
     assert "got a tensor of shape (2,)" in messages[0][0] and "invalid on another" in messages[1][0]
     assert "positive and finite" in messages[0][1] and "invalid on another" in messages[1][1]
-    # A factor missing on one rank is detected only where a step() without one makes a collective anyway: ZeRO-0/1
-    # of the 0.19.3 series
-    import deepspeed
-    if path_name.startswith(("zero2", "zero3")) or not deepspeed.__version__.startswith("0.19.3"):
-        assert len(messages[0]) == 2
-    else:
-        assert messages[0][2] == messages[1][2]
+    assert len(messages[0]) == 2
 
 
 @pytest.mark.base("0.19.3", reason="a promise of the 0.19.3 series' gradient-divide-factor")

@@ -1,6 +1,5 @@
 """`zero-0-1`: the flag's config contract and every clear error unmanaged mode raises, as early as possible."""
 
-import re
 
 import pytest
 import torch
@@ -149,22 +148,13 @@ def test_pipeline_parallelism_is_rejected_at_initialize(dist):
 
 
 def _runtime_errors_body(path_name: str, save_dir: str) -> None:
-    import deepspeed
-
     engine = ZERO_0_1_PATHS[path_name].initialize(gas=1, managed=False)
     with pytest.raises(RuntimeError, match=f"set_gradient_accumulation_boundary.*{FLAG}=false"):
         engine.set_gradient_accumulation_boundary(True)
-    if deepspeed.__version__.startswith("0.19.3"):
-        with pytest.raises(RuntimeError, match=f"{FLAG}=false but no backward"):
-            engine.step()
-        run_unmanaged(engine, [2])
-        with pytest.raises(RuntimeError, match=f"{FLAG}=false but no backward"):
-            engine.step()
-    else:
-        # The 0.19.8 series: at stages 0 and 1 a step() without backward steps on zero gradients, with a warning
-        engine.step()
-        assert engine.global_steps == 1
-        run_unmanaged(engine, [2])
+    # At stages 0 and 1 a step() without backward steps on zero gradients, with a warning
+    engine.step()
+    assert engine.global_steps == 1
+    run_unmanaged(engine, [2])
     if engine.zero_optimization_stage() == 1:
         with pytest.raises(RuntimeError, match=f"coalesce_grad_reduction.*{FLAG}=false"):
             with engine.coalesce_grad_reduction():
@@ -206,59 +196,6 @@ def _count_all_reduces():
             ds_comm.all_reduce = original
 
     return counting()
-
-
-def _per_rank_state_errors_body(path_name: str, save_dir: str) -> list:
-    import deepspeed.comm as ds_comm
-
-    rank = ds_comm.get_rank()
-    engine = ZERO_0_1_PATHS[path_name].initialize(gas=1, managed=False)
-    messages = []
-    # step() with no backward on rank 0 only
-    if rank != 0:
-        backward(engine, forward_loss(engine, 0, 0))
-    with pytest.raises(RuntimeError, match=f"{FLAG}=false") as error:
-        engine.step()
-    messages.append(str(error.value))
-    engine.zero_grad()
-    # a count that differs across ranks
-    for i in range(1 + rank):
-        backward(engine, forward_loss(engine, 1, i))
-    with pytest.raises(RuntimeError, match="every rank must run the same number") as error:
-        engine.step()
-    messages.append(str(error.value))
-    engine.zero_grad()
-    # save_checkpoint() and load_checkpoint() with pending backward passes on rank 0 only
-    run_unmanaged(engine, [1])
-    engine.save_checkpoint(save_dir, tag="clean")
-    if rank == 0:
-        backward(engine, forward_loss(engine, 2, 0))
-    for call in (lambda: engine.save_checkpoint(save_dir, tag="pending"),
-                 lambda: engine.load_checkpoint(save_dir, tag="clean")):
-        with pytest.raises(RuntimeError, match=r"backward pass.* since the last step\(\)") as error:
-            call()
-        messages.append(str(error.value))
-    engine.zero_grad()
-    engine.load_checkpoint(save_dir, tag="clean")
-    destroy(engine)
-    return messages
-
-
-# Stages 0 and 1 only: with ZeRO-2/3 every backward communicates, so ranks cannot run different numbers of
-# them in the first place (see the tutorial).
-@pytest.mark.base("0.19.3", reason="the 0.19.8 series checks a step() on each rank alone "
-                  "(test_rank_without_backward.py)")
-@pytest.mark.world_size(2)
-@pytest.mark.parametrize("path_name", ["fp32-deepspeed-optimizer", "zero1-fp32"])
-def test_per_rank_state_errors_are_raised_on_every_rank(dist, path_name, tmp_path):
-    messages = dist.run(_per_rank_state_errors_body, path_name, str(tmp_path))
-    assert messages[0] == messages[1], messages
-    # Each names the flag and what differs across ranks or is pending (wording differs between the bases).
-    assert all(FLAG in message for message in messages[0]), messages[0]
-    assert re.search(r"between 0 and 1 backward", messages[0][0]), messages[0][0]
-    assert re.search(r"between 1 and 2 backward", messages[0][1]), messages[0][1]
-    assert re.search(r"\b1 backward pass", messages[0][2]), messages[0][2]
-    assert re.search(r"\b1 backward pass", messages[0][3]), messages[0][3]
 
 
 def _load_checkpoint_refuses_pending_body(save_dir: str) -> None:
@@ -352,35 +289,6 @@ def test_a_failed_step_drops_its_gradients_and_leaves_the_engine_usable(dist, pa
     dist.run(_failed_step_is_dropped_body, path_name)
 
 
-def _no_sync_on_one_rank_body() -> str:
-    import contextlib
-
-    import deepspeed.comm as ds_comm
-
-    engine = ZERO_0_1_PATHS["fp32-deepspeed-optimizer"].initialize(gas=1, managed=False)
-    before = [param.detach().clone() for param in engine.module.parameters()]
-    backward(engine, forward_loss(engine, 0, 0))
-    with engine.no_sync() if ds_comm.get_rank() == 0 else contextlib.nullcontext():
-        with _count_all_reduces() as calls:
-            with pytest.raises(RuntimeError, match=f"step\\(\\) inside no_sync\\(\\) with {FLAG}=false") as error:
-                engine.step()
-    # Decided by the step's one small check, before the gradient reduction, with nothing applied
-    assert len(calls) == 1, f"{len(calls)} all-reduces before the refusal"
-    assert all(torch.equal(old, new) for old, new in zip(before, engine.module.parameters()))
-    engine.step()  # once every rank left no_sync(), the pending backward applies
-    assert engine.global_steps == 1
-    destroy(engine)
-    return str(error.value)
-
-
-@pytest.mark.base("0.19.3", reason="the 0.19.8 series refuses it on that rank alone")
-@pytest.mark.world_size(2)
-def test_step_inside_no_sync_on_one_rank_is_refused_on_every_rank(dist):
-    """no_sync() is per-rank state: the rank outside it must not be left waiting in the gradient all-reduce."""
-    messages = dist.run(_no_sync_on_one_rank_body)
-    assert messages[0] == messages[1], messages
-
-
 def _pending_checkpoint_errors_body(save_dir: str) -> list:
     """save_checkpoint() and load_checkpoint() with a pending backward pass on rank 0 only raise on every rank."""
     import deepspeed.comm as ds_comm
@@ -402,14 +310,13 @@ def _pending_checkpoint_errors_body(save_dir: str) -> list:
     return messages
 
 
-@pytest.mark.base("0.19.8", reason="test_per_rank_state_errors_are_raised_on_every_rank covers the 0.19.3 series")
 @pytest.mark.world_size(2)
 def test_pending_checkpoint_errors_are_raised_on_every_rank(dist, tmp_path):
     messages = dist.run(_pending_checkpoint_errors_body, str(tmp_path))
     assert messages[0] == messages[1], messages
 
 
-def _no_sync_on_one_rank_0_19_8_body() -> str | None:
+def _no_sync_on_one_rank_body() -> str | None:
     """The rank inside no_sync() raises before any collective; its peer waits in the gradient reduction until that
     rank leaves no_sync() and steps."""
     import contextlib
@@ -432,10 +339,9 @@ def _no_sync_on_one_rank_0_19_8_body() -> str | None:
     return message
 
 
-@pytest.mark.base("0.19.8", reason="the 0.19.3 series refuses it on every rank")
 @pytest.mark.world_size(2)
 def test_step_inside_no_sync_is_refused_on_that_rank_before_any_collective(dist):
-    messages = dist.run(_no_sync_on_one_rank_0_19_8_body)
+    messages = dist.run(_no_sync_on_one_rank_body)
     assert messages[0] and messages[1] is None, messages
 
 

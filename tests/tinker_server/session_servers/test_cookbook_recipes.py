@@ -375,12 +375,18 @@ def test_off_policy_distillation_lowers_the_students_loss(server, cookbook_env, 
 # --- recipes/sl_loop and recipes/math_rl ----------------------------------------------------------------------------
 
 
+#: The LoRA seed of the sl_loop run: a random one diverged once in 8 steps at the recipe's learning rate of 2e-2.
+SL_LOOP_LORA_SEED = 0
+
+
 def test_sl_loop_lowers_the_loss_and_saves_its_final_checkpoint(server, cookbook_env, tmp_path: Path,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """``recipes/sl_loop.main``, the cookbook's flat SFT loop (``forward_backward`` and ``optim_step`` pipelined,
     its own linear learning-rate schedule and Adam betas, a ``kind="both"`` checkpoint at the end). It loads
     ``HuggingFaceH4/no_robots`` by name, which this machine cannot download: the test answers that one request with
-    the cookbook's own example conversations (same ``messages`` column), and changes nothing else in the recipe."""
+    the cookbook's own example conversations (same ``messages`` column). The recipe asks for a LoRA without a seed,
+    which the server then draws at random; the test fixes it (``SL_LOOP_LORA_SEED``), so that the run, and whether a
+    learning rate this high stays stable, is the same every time. Nothing else in the recipe changes."""
     if server.zero_stage != 2:
         pytest.skip("one stage is enough: the recipe's requests are those the SDK tests check on every stage")
     import datasets
@@ -396,6 +402,12 @@ def test_sl_loop_lowers_the_loss_and_saves_its_final_checkpoint(server, cookbook
         return datasets.DatasetDict({"train": datasets.Dataset.from_json(str(conversations))})
 
     monkeypatch.setattr(sl_loop.datasets, "load_dataset", load_dataset)
+    create_lora_training_client = tinker.ServiceClient.create_lora_training_client
+
+    def create_seeded_lora_training_client(self, *args, seed: int | None = None, **kwargs):
+        return create_lora_training_client(self, *args, seed=SL_LOOP_LORA_SEED if seed is None else seed, **kwargs)
+
+    monkeypatch.setattr(tinker.ServiceClient, "create_lora_training_client", create_seeded_lora_training_client)
     log_path = tmp_path / "sl_loop"
     steps = 8
     sl_loop.main(sl_loop.Config(base_url=server.base_url, log_path=str(log_path), model_name=QWEN, batch_size=8,
