@@ -45,6 +45,7 @@ def pristine() -> dict:
 CHANGED_ON_PURPOSE = {
     "zero2-offload-safe-full-grad": "fix-zero-offload-stale-grads: a value safe_set_full_grad() sets counts in the "
                                     "clipping norm (pristine kept the replaced gradient's); tests/gradient_api/",
+    "zero3-offload-safe-full-grad": "fix-zero3-stale-grad-partitions: the same, at ZeRO-3 with optimizer offload",
 }
 
 

@@ -177,12 +177,8 @@ def _marks(stage: int, offload: str, mode: str) -> list:
     # A promise of each whole series: on 0.19.8 no PR is named, so the matrix runs on the whole series only (each fix
     # PR's own regression tests, in its patch, fail on pristine); on 0.19.3 it belongs to zero-offload, the last PR
     # every cell needs (unmanaged ZeRO-3 and offload)
-    del offload, mode
-    marks = [pytest.mark.pr("zero-offload")]
-    if stage == 3:
-        marks.append(pytest.mark.base("0.19.8", reason="the 0.19.3 series' ZeRO-3 gradient API before step() is not "
-                                      "ported yet (its ZeRO-1/2 one is)"))
-    return marks
+    del stage, offload, mode
+    return [pytest.mark.pr("zero-offload")]
 
 
 def _cells() -> list:
