@@ -9,8 +9,8 @@
 # Creates (or reuses) the virtualenv $DS_SERIES_VENV (default .venv; .venv-<version> for another base than the
 # default), installs into it torch 2.13.0, the pinned requirements, this project the README's way (`pip install .`:
 # DeepSpeed 0.19.8 with its whole follow-up series; with DS_SERIES_BASE=0.19.3, 0.19.3 with its series) and our own
-# packages, editable (DS_SERIES_PACKAGES: the tooling ds_series, the
-# test harness ds_harness, the benchmarks ds_bench, the Tinker server deepspeed_tinker), then runs `python -m pytest` over
+# packages, editable (DS_SERIES_PACKAGES: the rank launcher local_ranks, the tooling ds_series, the test harness
+# ds_harness, the benchmarks ds_bench, the Tinker server deepspeed_tinker), then runs `python -m pytest` over
 # tests/ on one pytest-xdist worker per core, at most 4 (a test file stays on one worker, with its module fixtures; the
 # Tinker server tests on the session's servers stay on one, so each server starts once: ds_harness.scheduling). A
 # later run skips the installs
@@ -43,7 +43,7 @@ export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$DS_SERIES_VENV/torch_exten
 DS_SERIES_REQUIREMENTS=(requirements/runtime.txt requirements/dev.txt requirements/tinker-server.txt)
 # Our own Python packages (each folder has its pyproject.toml), installed editable with --no-deps: the pins above
 # are their dependencies.
-DS_SERIES_PACKAGES=(tools harness benchmarks server)
+DS_SERIES_PACKAGES=(launcher tools harness benchmarks server)
 
 # Each line says how long the script has run: an install step that takes minutes shows in CI's log.
 _ds_series_log() { echo "[tools/test.sh +${SECONDS}s] $*" >&2; }

@@ -20,7 +20,8 @@ import time
 from pathlib import Path
 from typing import List, Optional
 
-from ds_harness.ranks import MASTER_ADDR, free_port, kill_tree, remove_group_buffers, start_rank
+from local_ranks.procs import kill_tree, remove_group_buffers
+from local_ranks.ranks import MASTER_ADDR, free_port, start_rank
 
 ROOT = Path(__file__).resolve().parents[2]
 

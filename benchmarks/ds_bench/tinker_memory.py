@@ -55,7 +55,7 @@ def rank_main(out: Path, stage: int, model_dir: str, lora_clients: int = 0) -> N
     import torch
     import torch.distributed as dist
 
-    from ds_harness.ranks import init_gloo_deepspeed
+    from local_ranks.ranks import init_gloo_deepspeed
 
     torch.set_num_threads(1)
     init_gloo_deepspeed(timeout_minutes=30)
@@ -106,7 +106,7 @@ def rank_main(out: Path, stage: int, model_dir: str, lora_clients: int = 0) -> N
 
 
 def run_config(stage: int, world: int, model_dir: Path, scratch: Path, lora_clients: int = 0) -> list[dict]:
-    from ds_harness.ranks import start_ranks
+    from local_ranks.ranks import start_ranks
 
     out = scratch / (f"zero{stage}-w{world}" + (f"-lora{lora_clients}" if lora_clients else ""))
     out.mkdir(parents=True, exist_ok=True)
@@ -147,7 +147,7 @@ def main(argv: List[str]) -> None:
     """``python -m ds_bench tinker-memory ARGV``; ``rank ...`` is how the measurement starts its ranks."""
     if argv[:1] == ["rank"]:
         rank_main(Path(argv[1]), int(argv[2]), argv[3], int(argv[4]) if len(argv) > 4 else 0)
-        from ds_harness.ranks import exit_rank
+        from local_ranks.ranks import exit_rank
 
         exit_rank(0)
     if len(argv) > 1 and argv[0] == "render":  # the table again from a --json file

@@ -157,7 +157,7 @@ class InProcessTrainer:
         torch.set_num_threads(1)
         dist.init_process_group("gloo")
         import deepspeed
-        from ds_harness.ranks import disable_cpu_shm_allreduce
+        from local_ranks.ranks import disable_cpu_shm_allreduce
 
         from deepspeed_tinker.api import ModelRecord, _adam_params
         from deepspeed_tinker.model import LoraSpec, register_local_model

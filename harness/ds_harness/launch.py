@@ -1,10 +1,10 @@
-"""Backend choice for the harness's ranks (their environment and start: ``ds_harness.ranks``)."""
+"""Backend choice for the harness's ranks (their environment and start: ``local_ranks.ranks``)."""
 
 from __future__ import annotations
 
 import functools
 
-from .ranks import free_port  # noqa: F401 - the harness's port source
+from local_ranks.ranks import free_port  # noqa: F401 - the harness's port source
 
 
 @functools.lru_cache(maxsize=None)

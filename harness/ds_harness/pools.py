@@ -22,7 +22,10 @@ import time
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from . import launch, ranks
+from local_ranks import ranks
+from local_ranks.procs import kill_tree
+
+from . import launch
 from . import protocol as P
 from .errors import PoolStartError
 from .worker import BOOT, STACK_SIGNAL
@@ -125,7 +128,7 @@ class RankPool:
     def _kill_procs(self) -> None:
         """SIGKILL each rank and everything it started (keeps the logs, so they can still be read)."""
         for proc in self.procs:
-            ranks.kill_tree(proc.pid)
+            kill_tree(proc.pid)
         for proc in self.procs:
             try:
                 proc.wait(timeout=10)

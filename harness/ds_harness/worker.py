@@ -117,7 +117,7 @@ def _init_process_group() -> dict[str, Any]:
         if backend == "nccl":
             get_accelerator().set_device(local_rank)
         else:
-            from .ranks import disable_cpu_shm_allreduce
+            from local_ranks.ranks import disable_cpu_shm_allreduce
 
             disable_cpu_shm_allreduce()
         ds_comm.init_distributed(dist_backend=backend, verbose=False)

@@ -17,7 +17,7 @@ from .api import DEFAULT_MAX_CHUNK_DATUMS, DEFAULT_SESSION_TIMEOUT_S
 from .http_app import DEFAULT_MAX_BODY_BYTES
 from .keys import KEYS_ENV, check_host, load_api_keys
 from .launch import ServerProcess, serve
-from .scheduler import DEFAULT_FUTURE_TTL_S, DEFAULT_MAX_FUTURES
+from .scheduler import DEFAULT_FUTURE_TTL_S, DEFAULT_MAX_FUTURES, DEFAULT_RETRIEVED_GRACE_S
 from .model import parse_base_model
 from .faults import DEFAULT_DRAIN_S, DEFAULT_PEER_TIMEOUT_S
 from .sampling import DEFAULT_SNAPSHOT_BYTES, MAX_SNAPSHOTS
@@ -77,8 +77,15 @@ def _server_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-futures", type=_positive_int, default=DEFAULT_MAX_FUTURES, metavar="N",
                         help="requests held at most, pending or finished and not yet expired; past it new work gets "
                         "429 (never is a pending request dropped) (default: %(default)s)")
+    parser.add_argument("--max-futures-per-session", type=_positive_int, default=None, metavar="N",
+                        help="requests one session holds at most; past it that session's new work gets 429 and the "
+                        "others' does not (a request that releases requests already accepted never does) "
+                        "(default: a quarter of --max-futures)")
     parser.add_argument("--future-ttl-s", type=float, default=DEFAULT_FUTURE_TTL_S, metavar="S",
-                        help="how long a finished request's result is kept for retrieve_future (default: %(default)s)")
+                        help="how long a finished request's result is kept if it is never retrieved "
+                        "(default: %(default)s)")
+    parser.add_argument("--retrieved-grace-s", type=float, default=DEFAULT_RETRIEVED_GRACE_S, metavar="S",
+                        help="how long a retrieved result is kept, for the SDK's retries (default: %(default)s)")
     parser.add_argument("--threads-per-rank", type=_positive_int, default=None, metavar="N",
                         help="torch intra-op threads per rank (default: $OMP_NUM_THREADS if set, else the cores this "
                         "process may use divided by the ranks on this node)")
@@ -119,7 +126,9 @@ def _server_args(args: argparse.Namespace) -> list[str]:
     if args.keep_checkpoints is not None:
         out += ["--keep-checkpoints", str(args.keep_checkpoints)]
     out += ["--max-body-bytes", str(args.max_body_bytes), "--max-futures", str(args.max_futures), "--future-ttl-s",
-            str(args.future_ttl_s)]
+            str(args.future_ttl_s), "--retrieved-grace-s", str(args.retrieved_grace_s)]
+    if args.max_futures_per_session is not None:
+        out += ["--max-futures-per-session", str(args.max_futures_per_session)]
     if args.threads_per_rank is not None:
         out += ["--threads-per-rank", str(args.threads_per_rank)]
     out += ["--session-timeout-s", str(args.session_timeout_s)]
@@ -288,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
         return _rl_demo(args)
     if args.command == "recipes-demo":
         return _recipes_demo(args)
-    from ds_harness.ranks import exit_rank
+    from local_ranks.ranks import exit_rank
     from .server import RankOptions, run_rank
 
     code = run_rank(RankOptions(port=args.port, zero_stage=args.zero_stage, checkpoint_root=args.checkpoint_dir,
@@ -302,6 +311,8 @@ def main(argv: list[str] | None = None) -> int:
                                 keep_checkpoints=args.keep_checkpoints, max_body_bytes=args.max_body_bytes,
                                 access_log=not args.no_access_log, api_keys_file=args.api_keys_file,
                                 max_futures=args.max_futures, future_ttl_s=args.future_ttl_s,
+                                max_futures_per_session=args.max_futures_per_session,
+                                retrieved_grace_s=args.retrieved_grace_s,
                                 threads_per_rank=args.threads_per_rank,
                                 session_timeout_s=args.session_timeout_s))
     exit_rank(code)  # a rank that stopped cleanly skips interpreter teardown

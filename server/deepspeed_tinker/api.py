@@ -30,7 +30,7 @@ from .model import BASE_MODELS, DEFAULT_LORA_RANK, BaseModelSpec, LoraSpec
 from .responses import Response, error_response, json_response
 from .rest_api import RunsApi, parse_ttl
 from .sampling import SampleResult, SnapshotRef, encode_sample_response, parse_sample, sample_response_json
-from .scheduler import FutureStore, FutureStoreFull, QueuePosition, Scheduler
+from .scheduler import Future, FutureStore, FutureStoreFull, QueuePosition, Scheduler
 from .stability import StabilityRecords, resolve_provenance
 from .wire import (PROTO_CONTENT_TYPE, PROVENANCE_LOSSES, FwdBwdRequest, FwdBwdResult, UserError, check_against_model,
                    encode_forward_backward_output, forward_backward_output_json, parse_forward_backward, parse_json,
@@ -175,7 +175,7 @@ class TinkerApi:
         self._touched: dict[str, float] = {}  # model_id -> when its run's last_request_time was last written
         self._last_reap = 0.0
         self.metrics = ServerMetrics(scheduler, self.sessions)
-        self.futures.on_finish = self.metrics.observe
+        self.futures.on_finish = self._on_finish
         self._posts: dict[str, Callable[[dict[str, str], bytes], Response]] = {
             "client/config": self._client_config,
             "client/dynamic_config": lambda h, b: json_response({}),
@@ -368,7 +368,7 @@ class TinkerApi:
                 if record.session_id not in self._sessions:  # closed since _new_model checked it
                     raise UserError(f"session {record.session_id} was closed: "
                                     f"{self._closed.get(record.session_id, 'unknown')}")
-                self.futures.check_room(len(jobs))
+                self.futures.check_room(len(jobs), record.session_id)
                 if not self.scheduler.open_model(record.model_id, session=record.session_id):
                     raise UserError(f"model {record.model_id} already exists")
                 self._models[record.model_id] = record
@@ -399,12 +399,17 @@ class TinkerApi:
             record = self._new_model(request, lora, str(request.get("base_model", "")))
             return self._open(record, [("create", record)])
         except UserError as e:
-            return self._failed_future(str(e))
+            return self._failed_future(str(e), session=str(request.get("session_id", "")))
 
-    def _failed_future(self, message: str, category: str = "user") -> Response:
-        future = self.futures.create()
+    def _failed_future(self, message: str, category: str = "user", session: str = "") -> Response:
+        return json_response({"request_id": self._failed_request(message, category, session)})
+
+    def _failed_request(self, message: str, category: str = "user", session: str = "") -> str:
+        """A request refused before it was queued, as a failed future held by ``session`` (the session the
+        request names, ``""`` when none can be told); its id."""
+        future = self.futures.create(session)
         self.futures.fail(future.request_id, message, category)
-        return json_response({"request_id": future.request_id})
+        return future.request_id
 
     def model(self, model_id: str) -> ModelRecord:
         with self._lock:
@@ -457,10 +462,10 @@ class TinkerApi:
         try:
             record = self.model(model_id)
         except UserError as e:
-            return self._failed_future(str(e))
+            return self._failed_future(str(e), session=self._session_of(model_id))
         self._touch_session(record.session_id)
         if not isinstance(seq_id, int) or seq_id < 1:
-            return self._failed_future(f"seq_id must be an integer >= 1, got {seq_id!r}")
+            return self._failed_future(f"seq_id must be an integer >= 1, got {seq_id!r}", session=record.session_id)
         self._touch(model_id)
         rejection, payload = None, None
         try:
@@ -470,9 +475,9 @@ class TinkerApi:
         try:
             request_id = self.scheduler.submit_sequenced(model_id, seq_id, kind, payload, rejection)
         except KeyError:
-            return self._failed_future(f"unknown model id {model_id!r}")
+            return self._failed_future(f"unknown model id {model_id!r}", session=record.session_id)
         except ValueError as e:
-            return self._failed_future(str(e))
+            return self._failed_future(str(e), session=record.session_id)
         return json_response({"request_id": request_id, "model_id": model_id})
 
     def _touch(self, model_id: str) -> None:
@@ -561,7 +566,7 @@ class TinkerApi:
                 load = {"dir": str(directory), "optimizer": optimizer, "path": request["path"]}
                 return self._open(record, [("create", record), ("load_weights", load)])
             except UserError as e:
-                return self._failed_future(str(e))
+                return self._failed_future(str(e), session=str(request.get("session_id", "")))
 
         def build(record: ModelRecord) -> dict[str, Any]:
             directory, meta = self._load_source(str(request.get("path", "")))
@@ -749,9 +754,7 @@ class TinkerApi:
             if request.get("record_stability_info"):
                 self.stability.record(self._sampler_session(str(sampler_id)), sequence_ids, request_id, job.prompt)
         except UserError as e:
-            future = self.futures.create()
-            self.futures.fail(future.request_id, str(e), "user")
-            request_id = future.request_id
+            request_id = self._failed_request(str(e), session=self._session_of(str(sampler_id)))
         response = json_response({"request_id": request_id, "sample_sequence_ids": sequence_ids})
         if key is not None:
             with self._lock:
@@ -764,6 +767,10 @@ class TinkerApi:
     def _sampler_session(sampler_id: str) -> str:
         """The session a sampling session belongs to (its id is ``<session>:sample:<n>``)."""
         return sampler_id.rsplit(":sample:", 1)[0]
+
+    def _on_finish(self, future: Future) -> None:
+        self.metrics.observe(future)
+        self.stability.finished(future.request_id, future.result if isinstance(future.result, SampleResult) else None)
 
     def _sample_result(self, request_id: str) -> SampleResult | None:
         """A finished sample's result (for ``stable_reinforce``'s records); None while pending or failed."""
@@ -784,6 +791,7 @@ class TinkerApi:
             state, reason = queue_state(self.scheduler.position(request_id))
             return json_response({"type": "try_again", "request_id": request_id, "queue_state": state,
                                   "queue_state_reason": reason})
+        self.futures.retrieved(request_id)  # freed after a grace for the SDK's retries, not held for the whole TTL
         if future.status == "error":
             return json_response({"error": future.error, "category": future.category})
         if isinstance(future.result, (SampleResult, FwdBwdResult)):  # encoding a large result: off the event loop

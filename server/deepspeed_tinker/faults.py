@@ -177,7 +177,7 @@ class FaultDrain:
         except Exception:  # exiting regardless: the group is gone
             log.exception("rank 0: clean-up after a fault")
         print(f"[tinker-server] stopped after a fault (exit code {EXIT_RANK_FAILED})", flush=True)
-        from ds_harness.ranks import exit_rank
+        from local_ranks.ranks import exit_rank
 
         exit_rank(EXIT_RANK_FAILED)
 

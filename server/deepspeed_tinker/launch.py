@@ -18,8 +18,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from ds_harness import ranks
-from ds_harness.ranks import free_port  # noqa: F401 - re-exported for the server's tests
+from local_ranks import ranks
+from local_ranks.procs import kill_tree
+from local_ranks.ranks import free_port  # noqa: F401 - re-exported for the server's tests
 
 from .faults import DEFAULT_DRAIN_S, EXIT_RANK_FAILED
 
@@ -74,13 +75,13 @@ def serve(world_size: int | None, rank_args: list[str], grace_s: float = 90.0, d
             failed_at.append(time.monotonic())
             for r in rank_procs[1:]:  # they would wait on the dead rank forever
                 if r.poll() is None:
-                    ranks.kill_tree(r.pid)
+                    kill_tree(r.pid)
         drained = failed_at and (codes[0] is not None or time.monotonic() - failed_at[0] > fault_drain_s + 30)
         overdue = stop_requested and time.monotonic() - stop_requested[0] > grace_s
         if drained or overdue:
             for r in rank_procs:
                 if r.poll() is None:
-                    ranks.kill_tree(r.pid)
+                    kill_tree(r.pid)
         time.sleep(0.2)
     if not any(codes):
         return 0
@@ -137,7 +138,7 @@ class ServerProcess:
                 self.process.wait(timeout_s)
             except subprocess.TimeoutExpired:
                 pass
-        ranks.kill_tree(self.process.pid)  # and whatever ranks a launcher that did not stop cleanly left behind
+        kill_tree(self.process.pid)  # and whatever ranks a launcher that did not stop cleanly left behind
         self.process.wait()
         return self.process.returncode
 

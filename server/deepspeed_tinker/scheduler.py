@@ -50,27 +50,44 @@ class FutureStoreFull(Exception):
     """No room for another future: the request is refused (HTTP 429), nothing is dropped."""
 
 
-#: Defaults of ``--max-futures`` and ``--future-ttl-s``.
+#: Defaults of ``--max-futures``, ``--future-ttl-s`` and ``--retrieved-grace-s``.
 DEFAULT_MAX_FUTURES = 100_000
 DEFAULT_FUTURE_TTL_S = 3600.0
+DEFAULT_RETRIEVED_GRACE_S = 60.0
+#: The share of ``--max-futures`` one session may hold by default (``--max-futures-per-session``).
+DEFAULT_SESSION_SHARE = 4
+
+
+def default_max_per_session(max_futures: int) -> int:
+    """A quarter of the store: one session's flood leaves the other sessions three quarters of it."""
+    return max(1, max_futures // DEFAULT_SESSION_SHARE)
 
 
 class FutureStore:
     """Thread-safe futures with long-poll waiting, from threads (``wait``) or an event loop (``wait_async``: an
     HTTP long poll holds no thread while it waits).
 
-    Bounded without losing work: a pending future is never dropped; a finished one is kept ``finished_ttl_s``
-    after it finished (then ``retrieve_future`` answers 404). When ``max_futures`` futures are held, ``create``
-    raises FutureStoreFull, which the API answers with 429, until finished ones expire.
+    Bounded per session without losing work: a pending future is never dropped; a finished one is kept until
+    ``retrieved_grace_s`` after the client retrieved it (long enough for the SDK to retry a lost response) or
+    ``finished_ttl_s`` after it finished, whichever comes first (then ``retrieve_future`` answers 404). A session
+    holding ``max_per_session`` futures, or a store holding ``max_futures``, makes ``create`` raise
+    FutureStoreFull, which the API answers with 429: one session's flood is refused while the others go on.
     """
 
     def __init__(self, max_futures: int = DEFAULT_MAX_FUTURES, finished_ttl_s: float = DEFAULT_FUTURE_TTL_S,
+                 max_per_session: int | None = None, retrieved_grace_s: float = DEFAULT_RETRIEVED_GRACE_S,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._futures: collections.OrderedDict[str, Future] = collections.OrderedDict()
         #: request_id -> when it finished, oldest first.
         self._finished: collections.OrderedDict[str, float] = collections.OrderedDict()
+        #: request_id -> when the client first retrieved it, oldest first (each is in ``_finished`` too).
+        self._retrieved: collections.OrderedDict[str, float] = collections.OrderedDict()
+        #: session -> the futures it holds (pending, or finished and kept).
+        self._held: collections.Counter[str] = collections.Counter()
         self.max_futures = max_futures
+        self.max_per_session = default_max_per_session(max_futures) if max_per_session is None else max_per_session
         self.finished_ttl_s = finished_ttl_s
+        self.retrieved_grace_s = retrieved_grace_s
         self._clock = clock
         #: Set by ``fail_all``: (error, category) every future gets, pending or new.
         self._failed_with: tuple[str, str] | None = None
@@ -81,19 +98,17 @@ class FutureStore:
         #: Called with each future once it has finished (outside the store's lock): the server's metrics.
         self.on_finish: Callable[[Future], None] | None = None
 
-    def create(self, internal: bool = False) -> Future:
-        """A new pending future; FutureStoreFull if the store is full (``internal``: the server's own bookkeeping
-        jobs, e.g. unloading a closed session's models, which must not be refused, go in regardless)."""
+    def create(self, session: str, internal: bool = False) -> Future:
+        """A new pending future held by ``session`` (``""``: a request naming no session); FutureStoreFull if the
+        session or the store is full. ``internal``: the server's own bookkeeping jobs (e.g. unloading a closed
+        session's models) and a request that releases work already accepted (it fills a ``seq_id`` that later
+        requests wait behind) go in regardless."""
         with self._cond:
-            self._expire()
-            if not internal and len(self._futures) >= self.max_futures:
-                pending = len(self._futures) - len(self._finished)
-                raise FutureStoreFull(
-                    f"the server is full: it holds {pending} unfinished requests and {len(self._finished)} results "
-                    f"kept for {self.finished_ttl_s:g} s after they finish, its limit of {self.max_futures} "
-                    "(--max-futures); retry once requests finish")
-            future = Future(f"req-{next(self._ids)}", created=time.monotonic())
+            if not internal:
+                self._check_room(1, session)
+            future = Future(f"req-{next(self._ids)}", session=session, created=time.monotonic())
             self._futures[future.request_id] = future
+            self._held[session] += 1
             failed_with = self._failed_with
         if failed_with is not None:  # born failed: see fail_all
             self.fail(future.request_id, *failed_with)
@@ -105,12 +120,12 @@ class FutureStore:
         with self._cond:
             return None if self._failed_with is None else self._failed_with[0]
 
-    def describe(self, request_id: str, kind: str, session: str, model_id: str) -> None:
+    def describe(self, request_id: str, kind: str, model_id: str) -> None:
         """Say what a pending future is for (the scheduler does, as it queues its job)."""
         with self._cond:
             future = self._futures.get(request_id)
             if future is not None:
-                future.kind, future.session, future.model_id = kind, session, model_id
+                future.kind, future.model_id = kind, model_id
 
     def mark_started(self, request_ids: list[str]) -> None:
         """The executor took these requests' jobs."""
@@ -121,23 +136,49 @@ class FutureStore:
                 if future is not None and future.started is None:
                     future.started = now
 
-    def check_room(self, count: int) -> None:
-        """FutureStoreFull unless ``count`` more futures fit now."""
+    def check_room(self, count: int, session: str) -> None:
+        """FutureStoreFull unless ``count`` more futures of ``session`` fit now."""
         with self._cond:
-            self._expire()
-            if len(self._futures) + count > self.max_futures:
-                raise FutureStoreFull(f"the server is full: it holds {len(self._futures)} requests, its limit of "
-                                      f"{self.max_futures} (--max-futures); retry once requests finish")
+            self._check_room(count, session)
+
+    def _check_room(self, count: int, session: str) -> None:
+        self._expire()
+        if self._held[session] + count > self.max_per_session:
+            raise FutureStoreFull(
+                f"session {session or '(none)'} holds {self._held[session]} requests, the limit per session is "
+                f"{self.max_per_session} (--max-futures-per-session): retrieve their results, or retry once they "
+                f"finish (a result is freed {self.retrieved_grace_s:g} s after it is retrieved)")
+        if len(self._futures) + count > self.max_futures:
+            raise FutureStoreFull(
+                f"the server is full: it holds {len(self._futures) - len(self._finished)} unfinished requests and "
+                f"{len(self._finished)} results, its limit of {self.max_futures} (--max-futures); retry once "
+                "requests finish")
+
+    def retrieved(self, request_id: str) -> None:
+        """The client has a finished future's result: free it after the grace (a retry of a lost response)."""
+        with self._cond:
+            if request_id in self._finished and request_id not in self._retrieved:
+                self._retrieved[request_id] = self._clock()
+
+    def _forget(self, request_id: str) -> None:
+        self._finished.pop(request_id, None)
+        self._retrieved.pop(request_id, None)
+        future = self._futures.pop(request_id, None)
+        if future is not None:
+            self._held[future.session] -= 1
+            if not self._held[future.session]:
+                del self._held[future.session]
 
     def _expire(self) -> None:
-        """Forget the results that finished more than ``finished_ttl_s`` ago (never a pending future)."""
-        deadline = self._clock() - self.finished_ttl_s
-        while self._finished:
-            request_id, finished_at = next(iter(self._finished.items()))
-            if finished_at > deadline:
-                break
-            del self._finished[request_id]
-            self._futures.pop(request_id, None)
+        """Forget the results retrieved more than ``retrieved_grace_s`` ago and those that finished more than
+        ``finished_ttl_s`` ago (never a pending future)."""
+        now = self._clock()
+        for kept, lifetime in ((self._retrieved, self.retrieved_grace_s), (self._finished, self.finished_ttl_s)):
+            while kept:
+                request_id, since = next(iter(kept.items()))
+                if since > now - lifetime:
+                    break
+                self._forget(request_id)
 
     def counts(self) -> tuple[int, int]:
         """(pending, finished and kept) futures."""
@@ -301,12 +342,13 @@ class Scheduler:
     def submit(self, kind: str, model_id: str, payload: Any = None, internal: bool = False,
                session: str | None = None) -> str:
         """Queue a job that is not part of a model's sequence (model creation, unloading, sampling) in ``session``'s
-        turns (default: its model's session); FutureStoreFull (nothing queued) when the future store is full,
+        turns (default: its model's session); FutureStoreFull (nothing queued) when the session or the store is full,
         unless ``internal``."""
-        future = self.futures.create(internal)
         with self._lock:
             session = self._session_of(model_id, session)
-            self.futures.describe(future.request_id, kind, session, model_id)
+        future = self.futures.create(session, internal)
+        with self._lock:
+            self.futures.describe(future.request_id, kind, model_id)
             self._release(Job(future.request_id, kind, model_id, payload, session))
             self._lock.notify_all()
         return future.request_id
@@ -327,8 +369,9 @@ class Scheduler:
                 return sequence.seen[seq_id]
             if seq_id < sequence.next_seq:
                 raise ValueError(f"seq_id {seq_id} of model {model_id} already ran (next is {sequence.next_seq})")
-            future = self.futures.create()
-            self.futures.describe(future.request_id, kind, sequence.session, model_id)
+            # A seq_id that later requests wait behind releases work already accepted: it is never refused
+            future = self.futures.create(sequence.session, internal=any(seq > seq_id for seq in sequence.waiting))
+            self.futures.describe(future.request_id, kind, model_id)
             sequence.seen[seq_id] = future.request_id
             if rejection is not None:
                 self.futures.fail(future.request_id, rejection, "user")

@@ -27,7 +27,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from ds_harness.ranks import disable_cpu_shm_allreduce
+from local_ranks.ranks import disable_cpu_shm_allreduce
 from .api import DEFAULT_SESSION_TIMEOUT_S, ApiSettings, TinkerApi
 from .byte_tokenizer import write_byte_tokenizer
 from .faults import (DEFAULT_DRAIN_S, DEFAULT_PEER_TIMEOUT_S, EXIT_RANK_FAILED, HEARTBEAT_S, FaultDrain, PeerWatch,
@@ -37,7 +37,8 @@ from .keys import check_host, load_api_keys, startup_line
 from .metrics import start_memory_reporter
 from .model import register_local_model
 from .sampler import DEFAULT_SNAPSHOT_BYTES, MAX_SNAPSHOTS
-from .scheduler import DEFAULT_FUTURE_TTL_S, DEFAULT_MAX_FUTURES, FutureStore, Job, Scheduler
+from .scheduler import (DEFAULT_FUTURE_TTL_S, DEFAULT_MAX_FUTURES, DEFAULT_RETRIEVED_GRACE_S, FutureStore, Job,
+                        Scheduler)
 from .threads import intra_op_threads
 from .wire import UserError
 from .worker import Worker, merge
@@ -83,8 +84,12 @@ class RankOptions:
     api_keys_file: Path | None = None
     #: Futures held at most (pending + finished and kept); past it new work gets 429 (``--max-futures``).
     max_futures: int = DEFAULT_MAX_FUTURES
-    #: How long a finished result is kept for ``retrieve_future`` (``--future-ttl-s``).
+    #: Futures one session holds at most (``--max-futures-per-session``; None: a quarter of ``max_futures``).
+    max_futures_per_session: int | None = None
+    #: How long a finished result nobody retrieves is kept (``--future-ttl-s``).
     future_ttl_s: float = DEFAULT_FUTURE_TTL_S
+    #: How long a retrieved result is kept, for the SDK's retries (``--retrieved-grace-s``).
+    retrieved_grace_s: float = DEFAULT_RETRIEVED_GRACE_S
     #: torch intra-op threads per rank (``--threads-per-rank``); None: the rank's share of the cores (``threads``).
     threads_per_rank: int | None = None
     #: A session without a heartbeat or request for this long is closed (``--session-timeout-s``; 0: never).
@@ -197,7 +202,8 @@ def _drive(worker: Worker, options: RankOptions, watch: PeerWatch | None) -> Non
 
     After a fault (``watch`` finds a rank dead, or a collective raises) it never returns: the drain fails every
     request for ``fault_drain_s`` and exits the process (``faults.FaultDrain``)."""
-    futures = FutureStore(options.max_futures, options.future_ttl_s)
+    futures = FutureStore(options.max_futures, options.future_ttl_s, options.max_futures_per_session,
+                          options.retrieved_grace_s)
     scheduler = Scheduler(futures)
     tokenizer_dir = write_byte_tokenizer(options.checkpoint_root / "tokenizers" / "byte-level")
     api = TinkerApi(scheduler, ApiSettings(options.checkpoint_root, options.max_chunk_datums, options.compress_fwdbwd,

@@ -31,10 +31,12 @@ MAX_RECORDS = 200_000
 class _Record:
     session_id: str
     prompt: tuple[int, ...]
-    #: The sample's future and the sequence's index in its result (the result exists once sampling finished).
+    #: The sample's future and the sequence's index in its result (the result once sampling finished: kept here,
+    #: since the future store frees it once the client has retrieved it).
     request_id: str
     index: int
     last_used: float
+    result: Any = None
 
 
 @dataclass(frozen=True)
@@ -54,15 +56,27 @@ class StabilityRecords:
         self._lookup = lookup
         self._clock = clock
         self._records: OrderedDict[str, _Record] = OrderedDict()
+        #: request_id -> its records, until the sample finishes (``finished``).
+        self._awaiting: dict[str, list[_Record]] = {}
         self._lock = threading.Lock()
 
     def record(self, session_id: str, sequence_ids: list[str], request_id: str, prompt: tuple[int, ...]) -> None:
         now = self._clock()
         with self._lock:
-            for index, sequence_id in enumerate(sequence_ids):
-                self._records[sequence_id] = _Record(session_id, prompt, request_id, index, now)
+            records = [_Record(session_id, prompt, request_id, index, now) for index in range(len(sequence_ids))]
+            self._records.update(zip(sequence_ids, records))
+            self._awaiting[request_id] = records
             while len(self._records) > MAX_RECORDS:
                 self._records.popitem(last=False)
+        result = self._lookup(request_id)  # the sample may have finished before it was recorded
+        if result is not None:
+            self.finished(request_id, result)
+
+    def finished(self, request_id: str, result: Any) -> None:
+        """A sample's future finished with ``result`` (None: it failed): its records keep it."""
+        with self._lock:
+            for record in self._awaiting.pop(request_id, ()):
+                record.result = result
 
     def get(self, sequence_id: str, session_id: str) -> Recorded:
         """The recorded sequence, for a training request of ``session_id``; using it restarts its day."""
@@ -77,7 +91,7 @@ class StabilityRecords:
                                 "record_stability_info=True in the same session; records expire a day after "
                                 "their last use)")
             record.last_used = now
-        result = self._lookup(record.request_id)
+            result = record.result
         if result is None:
             raise UserError(f"sequence {sequence_id!r} is not sampled yet, or its sample failed")
         sequence = result.sequences[record.index]

@@ -20,7 +20,7 @@ def main(out_dir: Path, steps: int) -> None:
     import torch
     import torch.distributed as dist
 
-    from ds_harness.ranks import init_gloo_deepspeed
+    from local_ranks.ranks import init_gloo_deepspeed
 
     init_gloo_deepspeed(timeout_minutes=10)
     from deepspeed_tinker.api import ModelRecord, _adam_params

@@ -115,7 +115,7 @@ def test_user_errors_land_in_the_future(api: TinkerApi) -> None:
 
 
 def test_retrieve_future_long_polls_and_encodes_protobuf(api: TinkerApi) -> None:
-    future = api.futures.create()
+    future = api.futures.create("s")
     assert result(api, future.request_id)["type"] == "try_again"
     assert post(api, "retrieve_future", {"request_id": "req-404"})[0] == 404
     api.futures.resolve(future.request_id, FwdBwdResult((np.array([-1.0], np.float32), ),

@@ -34,7 +34,8 @@ def non_default_options(tmp_path: Path) -> list[str]:
     return ["--zero-stage", "3", "--checkpoint-dir", str(tmp_path / "ckpt"), "--max-chunk-datums", "5",
             "--no-compress", "--long-poll-s", "2.5", "--base-model", f"tiny={tmp_path / 'tiny'}", "--device", "cuda",
             "--dtype", "bf16", "--gradient-checkpointing", "--keep-checkpoints", "3", "--max-body-bytes", "1000",
-            "--no-access-log", "--max-futures", "7", "--future-ttl-s", "9.5", "--threads-per-rank", "1",
+            "--no-access-log", "--max-futures", "7", "--max-futures-per-session", "3", "--future-ttl-s", "9.5",
+            "--retrieved-grace-s", "1.5", "--threads-per-rank", "1",
             "--session-timeout-s", "30", "--api-keys-file", str(keys), "--fault-drain-s", "4", "--peer-timeout-s",
             "6", "--sampler-snapshots", "2", "--sampler-snapshot-mib", "64"]
 

@@ -24,7 +24,7 @@ from tinker_sdk_helpers import require
 tinker = require("tinker")
 from tinker import types  # noqa: E402
 
-from ds_harness.ranks import kill_tree  # noqa: E402
+from local_ranks.procs import kill_tree  # noqa: E402
 from tinker_sdk_helpers import API_KEY, RESULT_TIMEOUT_S, START_TIMEOUT_S, random_data, to_sdk  # noqa: E402
 
 pytestmark = pytest.mark.pr("zero-0-1")

@@ -1,5 +1,5 @@
-"""The bounded future store: full means 429 for new work, never a dropped pending future; finished results kept
-for their documented time (no ranks)."""
+"""The bounded future store: a full session or store means 429 for new work, never a dropped pending future; one
+session's flood leaves the others served; results kept for their documented time (no ranks)."""
 
 from __future__ import annotations
 
@@ -23,34 +23,72 @@ class Clock:
 
 def test_a_full_store_refuses_new_work_and_keeps_every_pending_future() -> None:
     clock = Clock()
-    futures = FutureStore(max_futures=4, finished_ttl_s=60, clock=clock)
-    pending = [futures.create() for _ in range(2)]
-    finished = [futures.create() for _ in range(2)]
+    futures = FutureStore(max_futures=4, finished_ttl_s=60, max_per_session=4, clock=clock)
+    pending = [futures.create("s") for _ in range(2)]
+    finished = [futures.create("t") for _ in range(2)]
     for future in finished:
         futures.resolve(future.request_id, {"ok": True})
     with pytest.raises(FutureStoreFull, match="--max-futures"):
-        futures.create()
+        futures.create("u")
     clock.now += 59
     with pytest.raises(FutureStoreFull):
-        futures.create()
+        futures.create("u")
     assert all(futures.wait(f.request_id, 0).result == {"ok": True} for f in finished), "kept for their TTL"
     clock.now += 2  # the finished results expire; the pending futures never do
-    replacement = futures.create()
+    replacement = futures.create("u")
     assert futures.wait(finished[0].request_id, 0) is None
     assert all(futures.wait(f.request_id, 0).status == "pending" for f in pending)
-    futures.create()
+    futures.create("u")
     with pytest.raises(FutureStoreFull):
-        futures.create()
+        futures.create("u")
     clock.now += 10_000
     with pytest.raises(FutureStoreFull):  # four pending futures: full for as long as they are pending
-        futures.create()
+        futures.create("u")
     futures.resolve(replacement.request_id, 1)
     assert futures.wait(replacement.request_id, 0).result == 1
-    assert futures.create(internal=True), "the server's own bookkeeping is never refused"
+    assert futures.create("u", internal=True), "the server's own bookkeeping is never refused"
     assert futures.counts() == (4, 1)
 
 
-def test_a_refused_request_leaves_no_trace_and_can_be_retried(tmp_path: Path) -> None:
+def test_one_sessions_flood_is_refused_and_the_other_sessions_go_on() -> None:
+    clock = Clock()
+    futures = FutureStore(max_futures=100, finished_ttl_s=3600, clock=clock)
+    assert futures.max_per_session == 25, "by default a session holds at most a quarter of the store"
+    flood = [futures.create("flood") for _ in range(25)]
+    for future in flood:
+        futures.fail(future.request_id, "bad request", "user")
+    with pytest.raises(FutureStoreFull, match="session flood holds 25 requests.*--max-futures-per-session"):
+        futures.create("flood")
+    for session in ("a", "b", "c"):
+        assert [futures.create(session) for _ in range(25)], f"session {session} is served in full"
+    with pytest.raises(FutureStoreFull, match="the server is full"):
+        futures.create("d")
+    assert futures.create("flood", internal=True), "work that releases accepted work is never refused"
+
+
+def test_a_retrieved_result_is_freed_after_the_grace_and_an_unretrieved_one_after_its_ttl() -> None:
+    clock = Clock()
+    futures = FutureStore(max_futures=10, finished_ttl_s=3600, max_per_session=2, retrieved_grace_s=60,
+                          clock=clock)
+    read, unread = futures.create("s"), futures.create("s")
+    futures.resolve(read.request_id, 1)
+    futures.resolve(unread.request_id, 2)
+    futures.retrieved(read.request_id)
+    clock.now += 30
+    futures.retrieved(read.request_id)  # a retry of a lost response: the grace runs from the first retrieval
+    assert futures.wait(read.request_id, 0).result == 1, "kept for a retry"
+    with pytest.raises(FutureStoreFull, match="session s holds 2"):
+        futures.create("s")
+    clock.now += 30
+    assert futures.create("s"), "the retrieved result is freed after the grace: room again"
+    assert futures.wait(read.request_id, 0) is None
+    assert futures.wait(unread.request_id, 0).result == 2, "a result nobody retrieved waits for its TTL"
+    clock.now += 3600
+    futures.create("t")
+    assert futures.wait(unread.request_id, 0) is None
+
+
+def test_a_refused_request_leaves_no_trace_and_the_slot_that_releases_work_is_never_refused(tmp_path: Path) -> None:
     from tinker_sdk_helpers import require
 
     require("fastapi")
@@ -58,7 +96,7 @@ def test_a_refused_request_leaves_no_trace_and_can_be_retried(tmp_path: Path) ->
     from http_in_process import handle
 
     clock = Clock()
-    futures = FutureStore(max_futures=3, finished_ttl_s=60, clock=clock)
+    futures = FutureStore(max_futures=100, finished_ttl_s=60, max_per_session=3, clock=clock)
     api = TinkerApi(Scheduler(futures), ApiSettings(tmp_path, long_poll_s=0.05))
     key = {"x-api-key": "tml-test"}
 
@@ -71,29 +109,31 @@ def test_a_refused_request_leaves_no_trace_and_can_be_retried(tmp_path: Path) ->
                                      "lora_config": {"rank": 4}})[1]["model_id"]
     adam = {"adam_params": {"learning_rate": 1e-3}}
     held = post("optim_step", {"model_id": model_id, "seq_id": 2, **adam})[1]["request_id"]
-    post("optim_step", {"model_id": "nope", "seq_id": 1, **adam})  # a failed future: the third
-    status, reply = post("optim_step", {"model_id": model_id, "seq_id": 1, **adam}, **{"x-idempotency-key": "k"})
-    assert status == 429 and "--max-futures" in reply["error"]
+    post("optim_step", {"model_id": model_id, "seq_id": "x", **adam})  # a failed future: the session's third
+    status, reply = post("optim_step", {"model_id": model_id, "seq_id": 3, **adam}, **{"x-idempotency-key": "k"})
+    assert status == 429 and "--max-futures-per-session" in reply["error"]
     assert post("create_model", {"session_id": session, "model_seq_id": 1, "base_model": "tiny-llama-byte"})[0] == 429
     assert not api.scheduler.has_model(f"{session}:train:1"), "a refused create registers nothing"
+    status, reply = post("optim_step", {"model_id": model_id, "seq_id": 1, **adam})
+    assert status == 200, "seq 1 releases the accepted seq 2: never refused for room"
     assert futures.wait(held, 0).status == "pending"
     job = api.scheduler.next_job(timeout=0)  # the create runs
     futures.resolve(job.request_id, {})
     clock.now += 61  # and the finished results expire: room again
-    status, reply = post("optim_step", {"model_id": model_id, "seq_id": 1, **adam}, **{"x-idempotency-key": "k"})
+    status, reply = post("optim_step", {"model_id": model_id, "seq_id": 3, **adam}, **{"x-idempotency-key": "k"})
     assert status == 200, "the retry is not answered from the idempotency cache with the 429"
-    assert [api.scheduler.next_job(timeout=0).kind for _ in range(2)] == ["optim_step", "optim_step"]
+    assert [api.scheduler.next_job(timeout=0).kind for _ in range(3)] == ["optim_step"] * 3
 
 
 def test_fail_all_fails_every_pending_future_and_every_new_one() -> None:
     """After a fault (``faults.FaultDrain``): pending futures fail, finished ones keep their result, and a future
     created afterwards is born failed, so a request that arrives during the drain gets the error, not a hang."""
     futures = FutureStore()
-    done, waiting = futures.create(), futures.create()
+    done, waiting = futures.create("s"), futures.create("s")
     futures.resolve(done.request_id, {"ok": True})
     assert futures.fail_all("rank 1 died", "server") == 1
     assert (futures.wait(done.request_id, 0).status, futures.wait(done.request_id, 0).result) == ("ok", {"ok": True})
-    for future in (futures.wait(waiting.request_id, 0), futures.create()):
+    for future in (futures.wait(waiting.request_id, 0), futures.create("s")):
         assert (future.status, future.error, future.category) == ("error", "rank 1 died", "server")
     futures.resolve(waiting.request_id, {"late": True})  # a job that finishes after the fault changes nothing
     assert futures.wait(waiting.request_id, 0).status == "error"

@@ -164,35 +164,51 @@ def test_only_the_servers_key_is_accepted(limited_server) -> None:
     assert "accepting 1 API key(s); any other key gets 401" in limited_server.log_path.read_text(errors="replace")
 
 
-def test_a_flood_is_refused_with_429_and_a_pending_future_survives(limited_server) -> None:
-    """Past ``--max-futures`` new work gets 429 naming the limit; the held-back request is still pending (not
-    dropped), runs once its predecessor is let in (after the flood's results expire), and its result is served."""
+def test_one_sessions_flood_gets_429_and_leaves_the_others_and_its_own_held_work_served(limited_server) -> None:
+    """Past its share of ``--max-futures`` (a quarter by default) a session's new work gets 429 naming the limit;
+    another session's ``create_model`` and ``forward`` are served at once, and the flooding session's request that
+    fills the ``seq_id`` a held-back request waits behind is let in (it releases accepted work), so both run."""
     base_url = limited_server.base_url
-    session = post(base_url, "create_session", {"tags": [], "user_metadata": {}, "sdk_version": "0.38.0"})
-    model = post(base_url, "create_model", {"session_id": session["session_id"], "model_seq_id": 0,
-                                            "base_model": "tiny-llama-byte", "lora_config": {"rank": 4}})
-    assert "error" not in result(base_url, model["request_id"])
     adam = {"adam_params": {"learning_rate": 1e-3}}
-    held = post(base_url, "optim_step", {"model_id": model["model_id"], "seq_id": 2, **adam})["request_id"]
-    for _ in range(4 * MAX_FUTURES):  # requests for an unknown model: each a failed future, kept for the TTL
-        reply = post(base_url, "optim_step", {"model_id": "nope", "seq_id": 1, **adam})
+
+    def open_model(seq: int = 0) -> dict:
+        session = post(base_url, "create_session", {"tags": [], "user_metadata": {}, "sdk_version": "0.38.0"})
+        model = post(base_url, "create_model", {"session_id": session["session_id"], "model_seq_id": seq,
+                                                "base_model": "tiny-llama-byte", "lora_config": {"rank": 4}})
+        assert "error" not in result(base_url, model["request_id"])
+        return {**session, **model}
+
+    flooder = open_model()
+    held = post(base_url, "optim_step", {"model_id": flooder["model_id"], "seq_id": 2, **adam})["request_id"]
+    for sent in range(4 * MAX_FUTURES):  # each refused at validation: a failed future, kept for the TTL
+        reply = post(base_url, "optim_step", {"model_id": flooder["model_id"], "seq_id": "x", **adam})
         if reply.get("http_status") == 429:
             break
-    assert reply.get("http_status") == 429 and f"limit of {MAX_FUTURES} (--max-futures)" in reply["error"], reply
-    assert poll_once(base_url, held)["type"] == "try_again", "the pending request survived the flood"
-    time.sleep(FUTURE_TTL_S + 0.5)
+    assert reply.get("http_status") == 429, reply
+    assert f"the limit per session is {MAX_FUTURES // 4} (--max-futures-per-session)" in reply["error"], reply
+    assert sent < MAX_FUTURES // 4, "refused at the session's bound, before the store is full"
+
+    start = time.monotonic()
+    other = open_model()
     data = random_data(np.random.default_rng(0), 2)
-    first = post(base_url, "forward_backward", fwdbwd_proto(model["model_id"], 1, data))["request_id"]
-    assert "error" not in result(base_url, first)
+    forward = post(base_url, "forward", fwdbwd_proto(other["model_id"], 1, data, forward_only=True))
+    assert "error" not in result(base_url, forward["request_id"]), "the other session is served"
+    assert time.monotonic() - start < FUTURE_TTL_S, "at once, not once the flood's results expire"
+
+    assert poll_once(base_url, held)["type"] == "try_again", "the held-back request survived the flood"
+    first = post(base_url, "forward_backward", fwdbwd_proto(flooder["model_id"], 1, data))
+    assert "request_id" in first, f"the slot that releases accepted work is never refused: {first}"
+    assert "error" not in result(base_url, first["request_id"])
     assert "error" not in result(base_url, held)
-    post(base_url, f"sessions/{session['session_id']}/finish", {})
+    for session in (flooder, other):
+        post(base_url, f"sessions/{session['session_id']}/finish", {})
 
 
 def test_each_rank_logs_its_intra_op_threads(limited_server) -> None:
     """Every rank takes the thread count its environment gives it (the launcher's, as ``rank_env`` writes it: the
     tests' OMP_NUM_THREADS, or the rank's share of the cores) and says so, and why, at start-up."""
     from deepspeed_tinker.threads import intra_op_threads
-    from ds_harness.ranks import rank_env
+    from local_ranks.ranks import rank_env
 
     threads, why = intra_op_threads(None, rank_env(0, 2, None, cpu=True))
     lines = re.findall(r"rank (\d): (\d+) intra-op thread\(s\) \((.+)\)", limited_server.log_path.read_text())

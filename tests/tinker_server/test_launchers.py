@@ -25,7 +25,7 @@ tinker = require("tinker")
 from tinker import types  # noqa: E402
 
 from deepspeed_tinker.launch import free_port  # noqa: E402
-from ds_harness.ranks import kill_tree  # noqa: E402
+from local_ranks.procs import kill_tree  # noqa: E402
 from tinker_sdk_helpers import API_KEY, RESULT_TIMEOUT_S, START_TIMEOUT_S, adam, random_data, to_sdk  # noqa: E402
 
 pytestmark = pytest.mark.pr("zero-0-1")

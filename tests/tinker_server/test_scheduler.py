@@ -71,14 +71,14 @@ def test_unknown_model_and_replayed_seq_are_refused() -> None:
 
 def test_long_poll_returns_when_the_result_arrives() -> None:
     futures = FutureStore()
-    future = futures.create()
+    future = futures.create("s")
     threading.Timer(0.1, futures.resolve, args=(future.request_id, 42)).start()
     start = time.monotonic()
     done = futures.wait(future.request_id, timeout=5)
     assert done.status == "ok" and done.result == 42
     assert time.monotonic() - start < 2
     assert futures.wait("req-unknown", 0) is None
-    pending = futures.create()
+    pending = futures.create("s")
     assert futures.wait(pending.request_id, timeout=0.05).status == "pending"
 
 

@@ -19,7 +19,7 @@ from tinker import types  # noqa: E402
 
 from deepspeed_tinker.api import parse_tinker_path  # noqa: E402
 from deepspeed_tinker.checkpoint_store import CheckpointStore  # noqa: E402
-from ds_harness.ranks import kill_tree  # noqa: E402
+from local_ranks.procs import kill_tree  # noqa: E402
 from tinker_sdk_helpers import (API_KEY, RESULT_TIMEOUT_S, adam, random_data, saved_weights,  # noqa: E402
                                 start_server, stop_server, to_sdk, unmanaged_stage_supported)
 

@@ -104,10 +104,11 @@ def start_server(tmp_dir: Path, zero_stage: int, checkpoint_dir: Path | None = N
 
 def run_rank_script(script: Path, args: list[str], out_dir: Path, world_size: int = 2,
                     timeout_s: float = 300.0) -> list[dict]:
-    """Run ``script OUT_DIR ARGS...`` on ``world_size`` gloo CPU ranks (``ds_harness.ranks.start_ranks``, each rank's
+    """Run ``script OUT_DIR ARGS...`` on ``world_size`` gloo CPU ranks (``local_ranks.ranks.start_ranks``, each rank's
     output in ``out_dir/rank<r>.log``) and return what each rank wrote to ``out_dir/rank<r>.json``. A rank that exits
     non-zero (negative: the signal that killed it) fails the test with the ranks' logs."""
-    from ds_harness.ranks import kill_tree, start_ranks
+    from local_ranks.procs import kill_tree
+    from local_ranks.ranks import start_ranks
 
     procs = start_ranks([sys.executable, str(script), str(out_dir), *args], world_size, cpu=True,
                         env={**os.environ, "HF_HUB_OFFLINE": "1"}, cwd=Path(__file__).resolve().parents[2],

@@ -34,7 +34,7 @@ def main(out_dir: Path, zero_stage: int, dtype: str, model_dir: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from ds_harness.ranks import init_gloo_deepspeed
+    from local_ranks.ranks import init_gloo_deepspeed
 
     init_gloo_deepspeed(timeout_minutes=10)
 

@@ -57,7 +57,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ds_series import stack
-from ds_series.procs import clean_shm, descendants, kill_tree, shm_files
+from local_ranks.procs import clean_shm, descendants, kill_tree, shm_files
 
 ROOT = Path(__file__).resolve().parents[2]
 WORK_ROOT = ROOT / "build" / "hunk-check"

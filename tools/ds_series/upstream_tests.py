@@ -61,7 +61,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ds_series import stack
-from ds_series.procs import clean_shm, kill_tree, shm_files
+from local_ranks.procs import clean_shm, kill_tree, shm_files
 
 ROOT = stack.ROOT
 

@@ -121,7 +121,9 @@ def reference_results(world_size: int,
 
 def _compute(base: Base, world_size: int, prs: list, table: str) -> dict[str, list[dict[str, Any]]]:
     """``table`` run by W fresh ranks on the sdist plus ``prs``."""
-    from ds_harness import launch, ranks
+    from ds_harness import launch
+    from local_ranks import ranks
+    from local_ranks.procs import kill_tree
 
     # A stable tree path. DeepSpeed's JIT-built ops (CPU Adam, async I/O) are keyed by their source and include
     # paths: built from the tree into the installed DeepSpeed's extension folder, they would rebuild each side's in
@@ -162,7 +164,7 @@ def _compute(base: Base, world_size: int, prs: list, table: str) -> dict[str, li
             failed = list(range(world_size))
         finally:
             for proc in procs:
-                ranks.kill_tree(proc.pid)
+                kill_tree(proc.pid)
         if failed:
             tails = "\n".join(f"--- rank {r} ---\n" + (Path(tmp) / f"rank{r}.log").read_text(errors="replace")[-4000:]
                               for r in failed)
@@ -249,7 +251,7 @@ def _rank_main(out: str, tree: str, backend: str, table: str) -> None:
     if not deepspeed.__file__.startswith(tree):
         raise RuntimeError(f"imported {deepspeed.__file__}, not the reference tree {tree}")
     from ds_harness.runner import SETTINGS
-    from ds_harness.ranks import disable_cpu_shm_allreduce
+    from local_ranks.ranks import disable_cpu_shm_allreduce
     from ds_harness.worker import _flush_and_exit, _reset_state
     from ds_harness.support.reference_run import TABLES, fixed_run
 

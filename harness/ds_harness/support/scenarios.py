@@ -140,7 +140,7 @@ def zero_grad_discards(path_name: str) -> None:
     if engine.zero_optimization_stage() >= 2:
         with pytest.raises(RuntimeError, match="no backward"):
             engine.step()  # the discarded backward passes are not pending any more
-    else:
+    elif hasattr(engine, "pending_backward_count"):  # public from the gradient-divide PR of each series on
         # At ZeRO-0/1 a step() after no backward steps on zeros (a warning), so the count says it
         assert engine.pending_backward_count() == 0
     run_unmanaged(engine, [2], first_step=1)

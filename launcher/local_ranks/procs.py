@@ -4,10 +4,7 @@ The test harness's rank pools, the pristine reference runs, the benchmarks, the 
 upstream-test and hunk-check runners all start ranks that can hang or be killed mid-collective; they stop them and
 clean ``/dev/shm`` with these. DeepSpeed's CPU shared-memory all-reduce maps a 64 MiB
 ``/dev/shm/deepspeed_allreduce_buffer_*`` file per rank and process group that it never unlinks (our own ranks keep
-the op out, ``ds_harness.ranks.disable_cpu_shm_allreduce``; upstream's harness does not).
-
-Part of the tooling package because everything above depends on it: it needs psutil (pinned in
-requirements/runtime.txt) and nothing of ours.
+the op out, ``local_ranks.ranks.disable_cpu_shm_allreduce``; upstream's harness does not).
 """
 
 from __future__ import annotations

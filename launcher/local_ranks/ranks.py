@@ -4,7 +4,7 @@ The test harness, the benchmarks and the Tinker server all start W ranks on one 
 started by ``start_rank`` (``start_ranks`` for W of them), which gives it the port, the variables torch.distributed
 and DeepSpeed read, and the op switches, and passes a launcher's own plumbing (the harness's socket, the benchmarks'
 pipes) to ``subprocess.Popen``; so every local launch is the same launch. They stop them with ``kill_tree`` and clean
-``/dev/shm`` with ``clean_shm`` (``ds_series.procs``).
+``/dev/shm`` with ``clean_shm`` (``local_ranks.procs``).
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import subprocess
 from pathlib import Path
 from typing import Any, Mapping, NoReturn, Sequence
 
-from ds_series.procs import clean_shm, kill_tree, remove_group_buffers, shm_files  # noqa: F401 - the ranks' clean-up
 
 MASTER_ADDR = "127.0.0.1"
 
