@@ -17,6 +17,7 @@ import random
 
 import torch
 import torch.multiprocessing as mp
+
 from local_ranks.ranks import disable_cpu_shm_allreduce, exit_rank, free_port, rank_env
 
 MICRO_BATCH = 4

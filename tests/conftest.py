@@ -80,7 +80,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "pr(*names): the test belongs to the PR with this short name in the tested base's series "
-        "(the latest of those named; the whole series if it names none of them); unmarked tests are tooling (position 0 for --upto)")
+        "(the latest of those named; the whole series if it names none of them); unmarked tests are tooling "
+        "(position 0 for --upto)")
     config.addinivalue_line(
         "markers", "base(*versions, reason=...): the test applies to these bases' series only, e.g. it checks their "
         "internals (skipped on others, with the reason)")

@@ -25,7 +25,6 @@ import sys
 import time
 from pathlib import Path
 
-
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 DOCS_MD = RESULTS / "benchmarks.md"
@@ -60,6 +59,7 @@ def _devices(choice: str):
 def cmd_run(args) -> int:
     os.environ.setdefault("DS_BUILD_OPS", "0")
     import torch
+
     from ds_bench import configs, machine, report
     from ds_bench.model import FULL, TINY
     from ds_bench.run import Plan, measure_device

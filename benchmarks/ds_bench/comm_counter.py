@@ -24,7 +24,7 @@ import functools
 import inspect
 import threading
 from contextlib import contextmanager
-from typing import Callable, Dict, Optional
+from typing import Callable
 
 import torch
 
@@ -40,7 +40,7 @@ def _nbytes(value) -> int:
 
 
 #: Backend method -> name of the argument whose size is the collective's payload (None: 0 bytes).
-PAYLOAD_ARGUMENT: Dict[str, Optional[str]] = {
+PAYLOAD_ARGUMENT: dict[str, str | None] = {
     "all_reduce": "tensor",
     "inference_all_reduce": "tensor",
     "all_reduce_coalesced": "tensors",
@@ -69,7 +69,7 @@ PAYLOAD_ARGUMENT: Dict[str, Optional[str]] = {
 
 #: Position of the payload among a backend method's arguments (after ``self``), for methods whose decorator hides
 #: their signature (0.19.8's ``stage_on_cpu`` wrapper takes ``*args, **kwargs``).
-PAYLOAD_POSITION: Dict[str, int] = {
+PAYLOAD_POSITION: dict[str, int] = {
     "reduce_scatter": 1,
     "reduce_scatter_tensor": 1,
     "all_to_all_single": 1,
@@ -106,12 +106,12 @@ class CommCounter:
     def __init__(self, backend=None):
         self._backend = backend
         self._lock = threading.Lock()
-        self._counts: Dict[str, Dict[str, int]] = {}
+        self._counts: dict[str, dict[str, int]] = {}
         self._installed = []
         self._paused = 0
 
     # -- installation -------------------------------------------------------------------------------------
-    def install(self) -> "CommCounter":
+    def install(self) -> CommCounter:
         if self._installed:
             return self
         backend = self._backend
@@ -135,13 +135,13 @@ class CommCounter:
             self._backend.__dict__.pop(name, None)
         self._installed = []
 
-    def __enter__(self) -> "CommCounter":
+    def __enter__(self) -> CommCounter:
         return self.install()
 
     def __exit__(self, *exc) -> None:
         self.uninstall()
 
-    def _wrap(self, name: str, payload: Optional[str], method: Callable) -> Callable:
+    def _wrap(self, name: str, payload: str | None, method: Callable) -> Callable:
         signature = inspect.signature(method)
 
         @functools.wraps(method)
@@ -176,17 +176,17 @@ class CommCounter:
         with self._lock:
             self._counts = {}
 
-    def snapshot(self) -> Dict[str, Dict[str, int]]:
+    def snapshot(self) -> dict[str, dict[str, int]]:
         """A copy of the counts so far: ``{op: {"calls": n, "bytes": b}}``, ops sorted by name."""
         with self._lock:
             return {name: dict(self._counts[name]) for name in sorted(self._counts)}
 
-    def totals(self) -> Dict[str, int]:
+    def totals(self) -> dict[str, int]:
         snap = self.snapshot()
         return {"calls": sum(v["calls"] for v in snap.values()), "bytes": sum(v["bytes"] for v in snap.values())}
 
 
-def subtract(after: Dict[str, Dict[str, float]], before: Dict[str, Dict[str, float]]) -> Dict[str, Dict[str, float]]:
+def subtract(after: dict[str, dict[str, float]], before: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
     """Per-entry difference of two snapshots (``{name: {"calls": ..., "bytes": ...}}``, or any numeric fields, as
     :class:`ds_bench.method_timer.MethodTimer`'s), dropping entries that did not change."""
     out = {}

@@ -17,7 +17,6 @@ All three call ``backward(loss / N, scale_wrt_gas=False)``, so they compute the 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional
 
 FLAG = "managed_gradient_accumulation"
 
@@ -27,7 +26,8 @@ TOGGLE = "toggle"
 MODES = (MANAGED, UNMANAGED, TOGGLE)
 MODE_LETTER = {MANAGED: "a", UNMANAGED: "b", TOGGLE: "c"}
 #: (d), timed against (b) only: unmanaged with raw losses and ``step(gradient_divide_factor=N * world)``,
-#: the same update as (b) with the normaliser applied once per step instead of to every loss (`gradient-divide-factor`).
+#: the same update as (b) with the normaliser applied once per step instead of to every loss
+#: (`gradient-divide-factor`).
 FACTOR = "unmanaged_factor"
 
 
@@ -37,11 +37,11 @@ class Configuration:
 
     name: str
     stage: int
-    offload_optimizer: Optional[str] = None
-    offload_param: Optional[str] = None
+    offload_optimizer: str | None = None
+    offload_param: str | None = None
     #: Why the configuration is not run by default on a device (``{"cpu": reason}``); naming it in
     #: ``--configs`` runs it anyway.
-    skip_on: Optional[Dict[str, str]] = None
+    skip_on: dict[str, str] | None = None
 
     @property
     def offload(self) -> str:
@@ -67,7 +67,7 @@ NVME_ON_CPU = ("DeepSpeed 0.19.3 aborts while building the engine, in managed mo
                "and then waits (assertion `_num_pending_ops > 0` in deepspeed_py_io_handle.cpp)")
 _NOT_ON_CPU = {"cpu": NVME_ON_CPU}
 
-CONFIGURATIONS: List[Configuration] = [
+CONFIGURATIONS: list[Configuration] = [
     Configuration("z0", 0),
     Configuration("z1", 1),
     Configuration("z2", 2),
@@ -79,7 +79,7 @@ CONFIGURATIONS: List[Configuration] = [
     Configuration("z3-opt-nvme", 3, offload_optimizer="nvme", skip_on=_NOT_ON_CPU),
     Configuration("z3-opt-param-nvme", 3, offload_optimizer="nvme", offload_param="nvme", skip_on=_NOT_ON_CPU),
 ]
-BY_NAME: Dict[str, Configuration] = {c.name: c for c in CONFIGURATIONS}
+BY_NAME: dict[str, Configuration] = {c.name: c for c in CONFIGURATIONS}
 
 #: Bucket sizes (elements) small enough that the ~4M-parameter model spans several buckets, so the
 #: counts exercise bucketing rather than one collective per step.
@@ -92,7 +92,7 @@ def ds_config(configuration: Configuration,
               micro_batch: int,
               world_size: int,
               dtype: str = "fp32",
-              nvme_path: Optional[str] = None,
+              nvme_path: str | None = None,
               bucket_elements: int = BUCKET_ELEMENTS) -> dict:
     """The ds_config for one trial. Only ``unmanaged`` sets the flag; the others leave the default."""
     zero: dict = {"stage": configuration.stage}

@@ -28,7 +28,7 @@ import time
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable
 
 from ds_bench import configs
 from ds_bench.launch import RankPool
@@ -85,17 +85,17 @@ class Build:
     """One DeepSpeed tree: the pinned sdist plus ``prs``, imported from ``tree`` by PYTHONPATH."""
 
     name: str
-    prs: List[str]
+    prs: list[str]
     tree: Path
     #: A ``deepspeed/ops`` folder whose JIT ops build from the same sources as the tree's: first on the path, its op
     #: builders load the ops built there once (in ``extensions_dir``) for every build. None: the tree builds its own.
-    shared_ops: Optional[Path] = None
+    shared_ops: Path | None = None
     #: Where the JIT ops are built; None: torch's default (the installed DeepSpeed's).
-    extensions_dir: Optional[Path] = None
+    extensions_dir: Path | None = None
     #: The patches folder the PRs came from.
     patches: str = ""
 
-    def env(self) -> Dict[str, str]:
+    def env(self) -> dict[str, str]:
         """What a rank host of this build adds to its environment (our own packages come from the virtualenv)."""
         paths = ([str(self.shared_ops)] if self.shared_ops else []) + [str(self.tree)]
         env = {"PYTHONPATH": os.pathsep.join(paths)}
@@ -110,9 +110,9 @@ def _same_files(a: Path, b: Path) -> bool:
 
 
 def prepare_builds(base: str,
-                   after: Optional[Path] = None,
+                   after: Path | None = None,
                    log: Callable[[str], None] = print,
-                   fixes: Optional[Path] = None) -> Dict[str, Build]:
+                   fixes: Path | None = None) -> dict[str, Build]:
     """The pristine tree, the fix-prefix tree of ``base`` (of the ``fixes`` folder, default this checkout's
     ``patches/deepspeed-<base>/``) and, with ``after`` (another such folder), its fix prefix (each materialized on
     first use, then cached). Builds whose ops are those of the installed DeepSpeed reuse its JIT ops; otherwise all
@@ -126,7 +126,7 @@ def prepare_builds(base: str,
     if after is not None:
         other = dataclasses.replace(base_info, folder=Path(after).resolve())
         sources.append((AFTER, other, pristine.bug_fix_prefix(other)))
-    builds: Dict[str, Build] = {}
+    builds: dict[str, Build] = {}
     for name, info, prs in sources:
         started = time.monotonic()
         tree = pristine._reference_tree(info, prs)
@@ -159,19 +159,19 @@ class Trial:
     round: int
     #: Place in its round's order (0 = first).
     place: int
-    step_s: List[float]
-    cpu_s: List[float]
+    step_s: list[float]
+    cpu_s: list[float]
     peak_rss_bytes: int
     #: 1-minute load average before and after the trial.
-    load: Tuple[float, float]
+    load: tuple[float, float]
     #: Per timed method (``Class.method``): the slowest rank's seconds per measured step.
-    methods_s: Dict[str, List[float]] = field(default_factory=dict)
+    methods_s: dict[str, list[float]] = field(default_factory=dict)
     #: Per timed method: rank 0's calls in the first measured step.
-    method_calls: Dict[str, int] = field(default_factory=dict)
-    methods_absent: List[str] = field(default_factory=list)
+    method_calls: dict[str, int] = field(default_factory=dict)
+    methods_absent: list[str] = field(default_factory=list)
     #: Rank 0's collectives per measured step (op -> calls, bytes).
-    collectives: List[dict] = field(default_factory=list)
-    losses: List[List[float]] = field(default_factory=list)
+    collectives: list[dict] = field(default_factory=list)
+    losses: list[list[float]] = field(default_factory=list)
 
     @property
     def median_s(self) -> float:
@@ -184,13 +184,13 @@ class Cell:
 
     configuration: str
     n_micro: int
-    trials: List[Trial] = field(default_factory=list)
-    errors: List[dict] = field(default_factory=list)
+    trials: list[Trial] = field(default_factory=list)
+    errors: list[dict] = field(default_factory=list)
 
-    def of(self, role: str) -> List[Trial]:
+    def of(self, role: str) -> list[Trial]:
         return [t for t in self.trials if t.role == role]
 
-    def ratios(self, role: str, of=lambda t: t.median_s) -> List[float]:
+    def ratios(self, role: str, of=lambda t: t.median_s) -> list[float]:
         """Per round with both trials: ``role``'s median step over pristine's."""
         base = {t.round: of(t) for t in self.of(PRISTINE)}
         return [of(t) / base[t.round] for t in self.of(role) if t.round in base]
@@ -214,11 +214,11 @@ class Study:
     rounds: int
     nice: int
     machine: dict
-    builds: Dict[str, Build]
+    builds: dict[str, Build]
     #: The roles in their first round's order.
-    roles: List[str]
-    timed_methods: List[str]
-    cells: List[Cell] = field(default_factory=list)
+    roles: list[str]
+    timed_methods: list[str]
+    cells: list[Cell] = field(default_factory=list)
     finished: str = ""
     quick: bool = False
 
@@ -230,7 +230,7 @@ class Study:
         return data
 
     @classmethod
-    def from_json(cls, data: dict) -> "Study":
+    def from_json(cls, data: dict) -> Study:
         data = dict(data)
         data["size"] = ModelSize(**data["size"])
         data["builds"] = {
@@ -273,19 +273,19 @@ def make_plan(size: ModelSize, warmup_steps: int, measure_steps: int, n_micro: i
                 factor_micro_counts=[])
 
 
-def model_shape(size: ModelSize) -> Tuple[int, int]:
+def model_shape(size: ModelSize) -> tuple[int, int]:
     """(parameters, parameter tensors) of the benchmark model at ``size``."""
     model = build_model(size)
     return sum(p.numel() for p in model.parameters()), len(list(model.parameters()))
 
 
-def round_order(roles: List[str], round_index: int) -> List[str]:
+def round_order(roles: list[str], round_index: int) -> list[str]:
     """The builds' order in a round: rotated every round, so each takes each place equally often."""
     shift = round_index % len(roles)
     return roles[shift:] + roles[:shift]
 
 
-def trial_of(role: str, round_index: int, place: int, results: List[dict], load: Tuple[float, float]) -> Trial:
+def trial_of(role: str, round_index: int, place: int, results: list[dict], load: tuple[float, float]) -> Trial:
     """A mode trial's ranks -> one :class:`Trial` (the slowest rank's times, the largest peak, rank 0's counts)."""
     steps = len(results[0]["times_s"])
     slowest = lambda key: [max(r[key][i] for r in results) for i in range(steps)]  # noqa: E731
@@ -310,7 +310,7 @@ def trial_of(role: str, round_index: int, place: int, results: List[dict], load:
     return trial
 
 
-def check_builds(pools: Dict[str, RankPool], builds: Dict[str, Build], roles: List[str]) -> None:
+def check_builds(pools: dict[str, RankPool], builds: dict[str, Build], roles: list[str]) -> None:
     """Raises unless every pool's hosts imported their own build's tree."""
     for role in roles:
         tree = builds[PRISTINE if role == CONTROL else role].tree
@@ -321,7 +321,7 @@ def check_builds(pools: Dict[str, RankPool], builds: Dict[str, Build], roles: Li
 
 def measure(study: Study,
             plan: Plan,
-            configurations: List[str],
+            configurations: list[str],
             log: Callable[[str], None] = print,
             save: Callable[[Study], None] = lambda study: None) -> Study:
     """Every round of every configuration into ``study.cells``, calling ``save(study)`` after each round."""

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import statistics
 from pathlib import Path
-from typing import List, Optional
 
 from ds_bench import report
 from ds_bench.fixcost import AFTER, CONTROL, FIXES, LETTER, PRISTINE, Cell, Study
@@ -18,7 +17,7 @@ from ds_bench.fixcost import AFTER, CONTROL, FIXES, LETTER, PRISTINE, Cell, Stud
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 
 
-def analysis_of(page: Path) -> Optional[Path]:
+def analysis_of(page: Path) -> Path | None:
     """The hand-written reading of a committed page: ``benchmarks-fixcost-<base>.md`` ->
     ``fixcost-analysis-<base>.md`` beside it (None for pages elsewhere)."""
     if page.resolve().parent != RESULTS.resolve():
@@ -26,17 +25,17 @@ def analysis_of(page: Path) -> Optional[Path]:
     return page.with_name(page.name.replace("benchmarks-fixcost", "fixcost-analysis"))
 
 
-def _ms(seconds: Optional[float]) -> str:
+def _ms(seconds: float | None) -> str:
     return "–" if seconds is None else f"{seconds * 1e3:,.0f}" if seconds >= 0.1 else f"{seconds * 1e3:.2f}"
 
 
-def _spread(ratios: List[float]) -> str:
+def _spread(ratios: list[float]) -> str:
     if not ratios:
         return "–"
     return f"{statistics.median(ratios):.3f} ({min(ratios):.2f}–{max(ratios):.2f})"
 
 
-def _others(study: Study) -> List[str]:
+def _others(study: Study) -> list[str]:
     """The roles compared with pristine, in the page's order."""
     return [r for r in (FIXES, AFTER, CONTROL) if r in study.roles]
 
@@ -55,7 +54,7 @@ def same_losses(cell: Cell, role: str) -> bool:
         all(same(x, y) for ra, rb in zip(t.losses, base[0].losses) for x, y in zip(ra, rb)) for t in cell.of(role))
 
 
-def method_median(cell: Cell, role: str, method: str) -> Optional[float]:
+def method_median(cell: Cell, role: str, method: str) -> float | None:
     """The median over every measured step of ``role``'s trials of the seconds inside ``method``."""
     values = [s for t in cell.of(role) if method in t.methods_s for s in t.methods_s[method]]
     return statistics.median(values) if values else None
@@ -65,7 +64,7 @@ def _cpu(trial) -> float:
     return statistics.median(trial.cpu_s)
 
 
-def _summary_rows(study: Study) -> List[str]:
+def _summary_rows(study: Study) -> list[str]:
     others = _others(study)
     lines = [
         "| Configuration | a: median step (ms) | " + " | ".join(f"{LETTER[r]}/a" for r in others) +
@@ -88,7 +87,7 @@ def _summary_rows(study: Study) -> List[str]:
     return lines
 
 
-def _round_rows(study: Study, cell: Cell) -> List[str]:
+def _round_rows(study: Study, cell: Cell) -> list[str]:
     roles, others = study.roles, _others(study)
     lines = [
         "| Round | order | load (1 min) | " + " | ".join(f"{LETTER[r]} (ms)" for r in roles) + " | " +
@@ -118,7 +117,7 @@ def _round_rows(study: Study, cell: Cell) -> List[str]:
     return lines
 
 
-def _method_rows(study: Study, cell: Cell) -> List[str]:
+def _method_rows(study: Study, cell: Cell) -> list[str]:
     roles = study.roles
     names = sorted({m for t in cell.trials for m in t.methods_s}, key=lambda m: (not m.endswith(".step"), m))
     lines = [
@@ -138,7 +137,7 @@ def _rounds_text(study: Study) -> str:
     return report._plural(done, "round") + (f" (of {study.rounds} planned)" if done < study.rounds else "")
 
 
-def render(study: Study, analysis_path: Optional[Path] = None) -> str:
+def render(study: Study, analysis_path: Path | None = None) -> str:
     """The page; ``analysis_path`` adds the hand-written analysis."""
     size, b = study.size, study.builds
     built = [

@@ -18,7 +18,6 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import List, Optional
 
 from local_ranks.procs import kill_tree, remove_group_buffers
 from local_ranks.ranks import MASTER_ADDR, free_port, start_rank
@@ -33,7 +32,7 @@ class LaunchError(RuntimeError):
 class _Host:
     """One rank host process and a thread that queues the JSON lines it prints."""
 
-    def __init__(self, rank: int, world_size: int, device: str, preload: List[str], log_path: Path, env: dict):
+    def __init__(self, rank: int, world_size: int, device: str, preload: list[str], log_path: Path, env: dict):
         self.rank = rank
         self.log_path = log_path
         self.log = open(log_path, "w")
@@ -58,10 +57,10 @@ class _Host:
                                   cwd=str(ROOT),
                                   text=True,
                                   bufsize=1)
-        self.lines: "queue.Queue[Optional[dict]]" = queue.Queue()
+        self.lines: queue.Queue[dict | None] = queue.Queue()
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
-        self.child_pid: Optional[int] = None
+        self.child_pid: int | None = None
 
     def _read(self) -> None:
         for line in self.process.stdout:
@@ -104,10 +103,10 @@ class RankPool:
     def __init__(self,
                  world_size: int,
                  device: str = "cpu",
-                 preload: Optional[List[str]] = None,
-                 log_dir: Optional[Path] = None,
+                 preload: list[str] | None = None,
+                 log_dir: Path | None = None,
                  start_timeout_s: float = 1800.0,
-                 env: Optional[dict] = None):
+                 env: dict | None = None):
         self.world_size = world_size
         self.device = device
         self.preload = list(preload or [])
@@ -116,14 +115,14 @@ class RankPool:
         self._tmp = tempfile.TemporaryDirectory(prefix="ds-bench-")
         self.log_dir = Path(log_dir) if log_dir else Path(self._tmp.name)
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        self.hosts: List[_Host] = []
+        self.hosts: list[_Host] = []
         #: {op: reason} for the preloaded ops that could not be built on this machine.
         self.preload_errors: dict = {}
         #: The DeepSpeed each rank host imported: ``[{"version": ..., "file": ...}]`` by rank.
-        self.deepspeed: List[dict] = []
+        self.deepspeed: list[dict] = []
         self._ids = itertools.count()
 
-    def __enter__(self) -> "RankPool":
+    def __enter__(self) -> RankPool:
         self.start()
         return self
 
@@ -161,7 +160,7 @@ class RankPool:
         self.hosts = []
         self._tmp.cleanup()
 
-    def run(self, spec: dict, timeout_s: float) -> List[dict]:
+    def run(self, spec: dict, timeout_s: float) -> list[dict]:
         """Run one trial on every rank; return the ranks' results, or raise LaunchError with their errors."""
         trial_id = next(self._ids)
         port = free_port()

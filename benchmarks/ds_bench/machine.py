@@ -6,7 +6,6 @@ import os
 import platform
 import subprocess
 from pathlib import Path
-from typing import Optional
 
 
 def _cpu_model() -> str:
@@ -20,7 +19,7 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def _memory_gib() -> Optional[float]:
+def _memory_gib() -> float | None:
     try:
         import psutil
         return round(psutil.virtual_memory().total / 2**30, 1)
@@ -28,7 +27,7 @@ def _memory_gib() -> Optional[float]:
         return None
 
 
-def _git(repo: Path, *args: str) -> Optional[str]:
+def _git(repo: Path, *args: str) -> str | None:
     try:
         return subprocess.run(["git", "-C", str(repo), *args],
                               check=True,
@@ -42,7 +41,7 @@ def _git(repo: Path, *args: str) -> Optional[str]:
         return None
 
 
-def _series_titles(version: str) -> Optional[list]:
+def _series_titles(version: str) -> list | None:
     """The titles of the PRs a ``pip install .`` of this checkout gives ``version`` (``0.19.8+gafollowups.9``: the
     first 9 of patches/deepspeed-0.19.8/series), or None when the version is not one of the checkout's series."""
     base, _, local = version.partition("+")
@@ -56,7 +55,8 @@ def _series_titles(version: str) -> Optional[list]:
 
 def deepspeed_series() -> dict:
     """The installed DeepSpeed's version and its PRs: the commits of an editable install of the series, else the
-    titles of the checkout's series when the version says it is that series (the ``pip install .`` of tools/test.sh)."""
+    titles of the checkout's series when the version says it is that series (the ``pip install .`` of
+    tools/test.sh)."""
     import deepspeed
     info = {"version": deepspeed.__version__, "source": None, "commits": None, "uncommitted_changes": None}
     package = Path(deepspeed.__file__).resolve().parent

@@ -11,12 +11,11 @@ from __future__ import annotations
 import re
 import resource
 import sys
-from typing import Dict, Optional
 
 _STATUS = "/proc/self/status"
 
 
-def _status_kib(field: str) -> Optional[int]:
+def _status_kib(field: str) -> int | None:
     try:
         with open(_STATUS) as status:
             match = re.search(rf"^{field}:\s+(\d+)\s+kB", status.read(), re.MULTILINE)
@@ -49,7 +48,7 @@ def stabilize_allocator(threshold_bytes: int = 128 * 1024) -> bool:
     return bool(mallopt(_M_MMAP_THRESHOLD, threshold_bytes)) and bool(mallopt(_M_TRIM_THRESHOLD, threshold_bytes))
 
 
-def current_rss_bytes() -> Optional[int]:
+def current_rss_bytes() -> int | None:
     kib = _status_kib("VmRSS")
     return None if kib is None else kib * 1024
 
@@ -88,7 +87,7 @@ class PeakMemory:
             torch.cuda.reset_peak_memory_stats()
         self.window_reset = reset_peak_rss()
 
-    def stop(self) -> Dict[str, Optional[int]]:
+    def stop(self) -> dict[str, int | None]:
         result = {
             "peak_rss_bytes": peak_rss_bytes(),
             "rss_bytes": current_rss_bytes(),

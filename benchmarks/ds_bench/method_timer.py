@@ -19,10 +19,10 @@ from __future__ import annotations
 import functools
 import importlib
 import time
-from typing import Dict, Iterable, List, Tuple
+from typing import Iterable
 
 
-def parse_target(target: str) -> Tuple[str, str, str]:
+def parse_target(target: str) -> tuple[str, str, str]:
     """``"pkg.module:Class.method"`` -> (module, class, method)."""
     module, _, rest = target.partition(":")
     cls, _, method = rest.rpartition(".")
@@ -35,13 +35,13 @@ class MethodTimer:
     """Calls and wall seconds per target method, counted from :meth:`install` to :meth:`uninstall`."""
 
     def __init__(self, targets: Iterable[str]):
-        self.targets: List[str] = list(targets)
+        self.targets: list[str] = list(targets)
         #: Targets whose module, class or method does not exist in the imported code.
-        self.absent: List[str] = []
-        self._totals: Dict[str, Dict[str, float]] = {}
-        self._installed: List[Tuple[type, str, object, bool]] = []
+        self.absent: list[str] = []
+        self._totals: dict[str, dict[str, float]] = {}
+        self._installed: list[tuple[type, str, object, bool]] = []
 
-    def install(self) -> "MethodTimer":
+    def install(self) -> MethodTimer:
         for target in self.targets:
             module_name, class_name, method_name = parse_target(target)
             try:
@@ -67,7 +67,7 @@ class MethodTimer:
                 delattr(cls, name)
         self._installed = []
 
-    def __enter__(self) -> "MethodTimer":
+    def __enter__(self) -> MethodTimer:
         return self.install()
 
     def __exit__(self, *exc) -> None:
@@ -92,6 +92,6 @@ class MethodTimer:
 
         return timed
 
-    def snapshot(self) -> Dict[str, Dict[str, float]]:
+    def snapshot(self) -> dict[str, dict[str, float]]:
         """A copy of the totals so far: ``{target: {"calls": n, "seconds": s}}`` for every installed target."""
         return {target: dict(entry) for target, entry in self._totals.items()}

@@ -17,7 +17,6 @@ from __future__ import annotations
 import re
 import statistics
 from pathlib import Path
-from typing import Dict, List, Optional
 
 from ds_bench import configs
 from ds_bench.trial import CONTROL
@@ -32,12 +31,12 @@ MIB = 2**20
 STEP_CHECK_BYTES = 80
 
 
-def _median(values) -> Optional[float]:
+def _median(values) -> float | None:
     values = [v for v in values if v is not None]
     return statistics.median(values) if values else None
 
 
-def _spread(values: List[float]) -> Optional[float]:
+def _spread(values: list[float]) -> float | None:
     """(max - min) / median: how much one mode's own measurement moves from round to round."""
     values = [v for v in values if v is not None]
     if len(values) < 2:
@@ -45,7 +44,7 @@ def _spread(values: List[float]) -> Optional[float]:
     return (max(values) - min(values)) / statistics.median(values)
 
 
-def _quartiles(values: List[float]) -> Optional[List[float]]:
+def _quartiles(values: list[float]) -> list[float] | None:
     if not values:
         return None
     if len(values) == 1:
@@ -53,7 +52,7 @@ def _quartiles(values: List[float]) -> Optional[List[float]]:
     return statistics.quantiles(values, n=4, method="inclusive")
 
 
-def summarize_mode(entry: dict) -> Optional[dict]:
+def summarize_mode(entry: dict) -> dict | None:
     """One mode's rounds of mode trials: counts, memory, and the correctness checks."""
     rounds = entry.get("rounds") or []
     if not rounds:
@@ -79,7 +78,7 @@ def summarize_mode(entry: dict) -> Optional[dict]:
     }
 
 
-def summarize_timing(timing: dict, mode: str, base: str = configs.MANAGED) -> Optional[dict]:
+def summarize_timing(timing: dict, mode: str, base: str = configs.MANAGED) -> dict | None:
     """``mode`` against ``base`` in the timing trial: per-step ratios of wall and CPU time."""
     if not timing or timing.get("status") != "ok" or mode not in timing["times_s"]:
         return None
@@ -100,7 +99,7 @@ def summarize_timing(timing: dict, mode: str, base: str = configs.MANAGED) -> Op
     }
 
 
-def count_differences(base: Dict[str, dict], other: Dict[str, dict]) -> List[str]:
+def count_differences(base: dict[str, dict], other: dict[str, dict]) -> list[str]:
     out = []
     for op in sorted(set(base) | set(other)):
         a = base.get(op, {"calls": 0, "bytes": 0})
@@ -111,7 +110,7 @@ def count_differences(base: Dict[str, dict], other: Dict[str, dict]) -> List[str
     return out
 
 
-def is_step_check(base: Dict[str, dict], other: Dict[str, dict]) -> bool:
+def is_step_check(base: dict[str, dict], other: dict[str, dict]) -> bool:
     """Whether ``other`` sends what ``base`` sends plus exactly one all-reduce of at most STEP_CHECK_BYTES."""
     zero = {"calls": 0, "bytes": 0}
     a, b = base.get("all_reduce", zero), other.get("all_reduce", zero)
@@ -120,7 +119,7 @@ def is_step_check(base: Dict[str, dict], other: Dict[str, dict]) -> bool:
             and 0 < b["bytes"] - a["bytes"] <= STEP_CHECK_BYTES)
 
 
-def compare(cell: dict, mode: str) -> Optional[dict]:
+def compare(cell: dict, mode: str) -> dict | None:
     """``mode`` against managed for one cell, with the targets' verdicts and the reasons for a miss."""
     base_entry, entry = cell["modes"][configs.MANAGED], cell["modes"][mode]
     base, this = summarize_mode(base_entry), summarize_mode(entry)
@@ -130,7 +129,7 @@ def compare(cell: dict, mode: str) -> Optional[dict]:
     paired = [(r, by_round[r["round"]]) for r in entry["rounds"] if r["round"] in by_round]
 
     # Exactly the same collectives (unmanaged mode: plus step()'s check), step by step in every round and rank.
-    def same(x: Dict[str, dict], y: Dict[str, dict]) -> bool:
+    def same(x: dict[str, dict], y: dict[str, dict]) -> bool:
         return y == x or (mode == configs.UNMANAGED and is_step_check(x, y))
 
     step_check = mode == configs.UNMANAGED and is_step_check(base["counts_per_step"], this["counts_per_step"])
@@ -184,7 +183,7 @@ def compare(cell: dict, mode: str) -> Optional[dict]:
     return result
 
 
-def _reasons(result: dict, this: dict) -> List[str]:
+def _reasons(result: dict, this: dict) -> list[str]:
     reasons = []
     if not result["targets"]["collectives"]:
         if result["count_differences"]:
@@ -278,13 +277,13 @@ def _signed_mib(value) -> str:
     return f"{value / MIB:+.1f} MiB"
 
 
-def _plain_ratio(comparison: Optional[dict], entry: dict, key: str) -> str:
+def _plain_ratio(comparison: dict | None, entry: dict, key: str) -> str:
     if _mode_state(entry) or comparison is None or comparison.get(key) is None:
         return "–"
     return f"{comparison[key]:.3f}"
 
 
-def _mode_state(entry: dict) -> Optional[str]:
+def _mode_state(entry: dict) -> str | None:
     status = entry["status"]
     if status == "ok":
         return None
@@ -301,7 +300,7 @@ def _check(flag: bool) -> str:
     return "✅" if flag else "❌"
 
 
-def _verdict(comparison: Optional[dict], entry: dict) -> str:
+def _verdict(comparison: dict | None, entry: dict) -> str:
     state = _mode_state(entry)
     if state:
         return state
@@ -314,14 +313,14 @@ def _verdict(comparison: Optional[dict], entry: dict) -> str:
     return text
 
 
-def _ratio(comparison: Optional[dict], entry: Optional[dict], key: str) -> str:
+def _ratio(comparison: dict | None, entry: dict | None, key: str) -> str:
     if (entry is not None and _mode_state(entry)) or comparison is None or comparison[key] is None:
         return "–"
     low, _, high = comparison[f"{key}_quartiles"]
     return f"{comparison[key]:.3f} ({low:.2f}–{high:.2f})"
 
 
-def _step_ms(summary: Optional[dict]) -> str:
+def _step_ms(summary: dict | None) -> str:
     if not summary:
         return "–"
     if "median_step_s" in summary:
@@ -329,13 +328,13 @@ def _step_ms(summary: Optional[dict]) -> str:
     return f"({summary['isolated_median_step_s'] * 1e3:.1f} ms)"
 
 
-def _memory_vs(comparison: Optional[dict], entry: dict) -> str:
+def _memory_vs(comparison: dict | None, entry: dict) -> str:
     if _mode_state(entry) or comparison is None or comparison["memory_ratio"] is None:
         return "–"
     return f"{(comparison['memory_ratio'] - 1) * 100:+.2f} % ({_signed_mib(comparison['memory_delta_bytes'])})"
 
 
-def _short_names(base: str) -> Dict[str, str]:
+def _short_names(base: str) -> dict[str, str]:
     """Each PR's title -> its short name, from ``patches/deepspeed-<base>/series``: PRs are named, not numbered
     (a position goes stale when PRs are put before it)."""
     series = Path(__file__).resolve().parent.parent / "patches" / f"deepspeed-{base}" / "series"
@@ -361,7 +360,7 @@ def _series_line(ds: dict) -> str:
     return text
 
 
-def machine_lines(machine: dict) -> List[str]:
+def machine_lines(machine: dict) -> list[str]:
     """The machine and the Python and torch versions (``ds_bench.machine.describe()``), as list items."""
     return [
         f"- Machine: {machine['cpu']}, {machine['cpu_count']} cores, {machine['memory_gib']} GiB; {machine['os']}" +
@@ -376,9 +375,9 @@ def base_of(data: dict) -> str:
 
 
 def render(data: dict,
-           analysis_path: Optional[Path] = None,
-           beside: Optional[dict] = None,
-           beside_page: Optional[str] = None) -> str:
+           analysis_path: Path | None = None,
+           beside: dict | None = None,
+           beside_page: str | None = None) -> str:
     """The Markdown page; ``analysis_path`` (default: none) adds the hand-written analysis, ``beside`` (an analyzed
     run on another base, whose page is ``beside_page``) a section with its summary and its ratios next to these."""
     machine = data["machine"]
@@ -458,7 +457,7 @@ def summary(data: dict) -> dict:
     }
 
 
-def _render_beside(data: dict, other: dict, page: Optional[str]) -> List[str]:
+def _render_beside(data: dict, other: dict, page: str | None) -> list[str]:
     """The other base's run next to this one: its summary, and per cell both runs' b/a and a′/a and targets met."""
     base, other_base = base_of(data), base_of(other)
     lines = [
@@ -475,18 +474,19 @@ def _render_beside(data: dict, other: dict, page: Optional[str]) -> List[str]:
         lines += _summary(section)
     lines += [
         "",
-        f"Per cell, b/a and a′/a of both runs (medians of neighbouring-step ratios) and the targets (b) met "
+        "Per cell, b/a and a′/a of both runs (medians of neighbouring-step ratios) and the targets (b) met "
         "(collectives, memory, time):",
         "",
         f"| Configuration | N | b/a {base} | a′/a {base} | Targets {base} | b/a {other_base} | a′/a {other_base} "
         f"| Targets {other_base} |",
         "|---|--:|--:|--:|---|--:|--:|---|",
     ]
-    mine = {(c["configuration"], c["n_micro"]): c for s in data["devices"] if s["device"] == "cpu" for c in s["results"]}
+    mine = {(c["configuration"], c["n_micro"]): c
+            for s in data["devices"] if s["device"] == "cpu" for c in s["results"]}
     theirs = {(c["configuration"], c["n_micro"]): c
               for s in other["devices"] if s["device"] == "cpu" for c in s["results"]}
 
-    def columns(cell: Optional[dict]) -> List[str]:
+    def columns(cell: dict | None) -> list[str]:
         comparison = ((cell or {}).get("comparisons") or {}).get(configs.UNMANAGED)
         if comparison is None:
             return ["–", "–", "not run"]
@@ -497,18 +497,19 @@ def _render_beside(data: dict, other: dict, page: Optional[str]) -> List[str]:
     for key in list(mine) + [k for k in theirs if k not in mine]:
         if key not in theirs and not ((mine[key].get("comparisons") or {}).get(configs.UNMANAGED)):
             continue
-        lines.append(f"| {key[0]} | {key[1]} | " + " | ".join(columns(mine.get(key)) + columns(theirs.get(key))) + " |")
+        lines.append(f"| {key[0]} | {key[1]} | "
+                     + " | ".join(columns(mine.get(key)) + columns(theirs.get(key))) + " |")
     return lines + [""]
 
 
-def _ratio_cell(summary: Optional[dict]) -> str:
+def _ratio_cell(summary: dict | None) -> str:
     if summary is None:
         return "–"
     q1, _, q3 = summary["ratio_quartiles"]
     return f"{summary['ratio']:.3f} ({q1:.2f}–{q3:.2f})"
 
 
-def _render_factor(section: dict) -> List[str]:
+def _render_factor(section: dict) -> list[str]:
     """The cost of step(gradient_divide_factor=...): (d) against (b), with the noise b′/b beside it."""
     cells = section.get("factor") or []
     if not cells:
@@ -556,7 +557,7 @@ def _render_factor(section: dict) -> List[str]:
     return lines
 
 
-def _fmt_ratio(value: Optional[float]) -> str:
+def _fmt_ratio(value: float | None) -> str:
     return "–" if value is None else f"{value:.3f}"
 
 
@@ -565,7 +566,7 @@ ANALYSIS = Path(__file__).resolve().parents[1] / "results" / "analysis.md"
 _RUN_MARKER = re.compile(r"<!--\s*run:\s*(\S+)\s*-->")
 
 
-def _analysis(data: dict, path: Optional[Path]) -> List[str]:
+def _analysis(data: dict, path: Path | None) -> list[str]:
     """The analysis file's text, under a heading; flagged if it was written for another run."""
     if path is None or not path.is_file():
         return []
@@ -582,7 +583,7 @@ def _analysis(data: dict, path: Optional[Path]) -> List[str]:
     return lines + text.splitlines() + [""]
 
 
-def _summary(section: dict) -> List[str]:
+def _summary(section: dict) -> list[str]:
     cells = section["results"]
     ran = [c for c in cells if (c.get("comparisons") or {}).get(configs.UNMANAGED)]
     refused = sum(c["modes"][configs.UNMANAGED]["status"] == "unsupported" for c in cells)
@@ -630,7 +631,7 @@ def _summary(section: dict) -> List[str]:
     return lines
 
 
-def _render_section(section: dict, data: dict) -> List[str]:
+def _render_section(section: dict, data: dict) -> list[str]:
     s = section["settings"]
     model = s["model"]
     params = next((r["modes"][configs.MANAGED]["rounds"][0]["parameters"]
@@ -763,7 +764,7 @@ def _render_section(section: dict, data: dict) -> List[str]:
     return lines
 
 
-def _detail_rows(cell: dict, summaries: dict) -> List[str]:
+def _detail_rows(cell: dict, summaries: dict) -> list[str]:
     base = summaries[configs.MANAGED]["counts_per_step"]
     ops = list(base)
     for mode in (configs.UNMANAGED, configs.TOGGLE):

@@ -21,7 +21,7 @@ import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, List, Optional
+from typing import Callable
 
 from ds_bench import configs
 from ds_bench.launch import LaunchError, RankPool
@@ -37,15 +37,15 @@ class Plan:
 
     device: str = "cpu"
     world_size: int = 2
-    configurations: List[configs.Configuration] = field(default_factory=lambda: list(configs.CONFIGURATIONS))
-    micro_counts: List[int] = field(default_factory=lambda: [1, 4, 16])
+    configurations: list[configs.Configuration] = field(default_factory=lambda: list(configs.CONFIGURATIONS))
+    micro_counts: list[int] = field(default_factory=lambda: [1, 4, 16])
     #: Mode trials per mode (counts and memory).
     rounds: int = 3
     warmup_steps: int = 2
     #: Measured logical steps of a mode trial, by N.
-    measure_steps: Dict[int, int] = field(default_factory=lambda: {1: 3, 4: 2, 16: 2})
+    measure_steps: dict[int, int] = field(default_factory=lambda: {1: 3, 4: 2, 16: 2})
     #: Measured logical steps per engine of the timing trial, by N: more where a step is short.
-    timing_steps: Dict[int, int] = field(default_factory=lambda: {1: 32, 4: 16, 16: 8})
+    timing_steps: dict[int, int] = field(default_factory=lambda: {1: 32, 4: 16, 16: 8})
     size: ModelSize = field(default_factory=ModelSize)
     dtype: str = "fp32"
     threads: int = 1
@@ -55,7 +55,7 @@ class Plan:
     #: Run configurations even where they are skipped by default (``Configuration.skip_on``).
     force: bool = False
     #: N of the gradient_divide_factor timing trials (d against b); empty: none.
-    factor_micro_counts: List[int] = field(default_factory=lambda: [1, 4])
+    factor_micro_counts: list[int] = field(default_factory=lambda: [1, 4])
 
     @property
     def backend(self) -> str:
@@ -93,12 +93,12 @@ class Plan:
 def trial_spec(plan: Plan,
                configuration: configs.Configuration,
                n_micro: int,
-               nvme_path: Optional[Path],
+               nvme_path: Path | None,
                *,
-               mode: Optional[str] = None,
-               timing_modes: Optional[List[str]] = None,
+               mode: str | None = None,
+               timing_modes: list[str] | None = None,
                control_of: str = configs.MANAGED,
-               extra: Optional[dict] = None) -> dict:
+               extra: dict | None = None) -> dict:
     """One trial's spec (see ds_bench.trial); ``extra``: a mode trial's options (``timed_methods``)."""
     spec = {
         "device": plan.device,
@@ -133,13 +133,13 @@ def cell_head(configuration: configs.Configuration, n_micro: int) -> dict:
     }
 
 
-def combine_ranks(results: List[dict]) -> dict:
+def combine_ranks(results: list[dict]) -> dict:
     """A mode trial's ranks -> one round: rank 0's counts, the largest peak, the slowest rank's times."""
     steps = len(results[0]["times_s"])
     step_times = [max(r["times_s"][i] for r in results) for i in range(steps)]
     step_cpu = [max(r["cpu_times_s"][i] for r in results) for i in range(steps)]
     per_step = results[0]["counts"]
-    mean_counts: Dict[str, Dict[str, float]] = {}
+    mean_counts: dict[str, dict[str, float]] = {}
     for counts in per_step:
         for op, entry in counts.items():
             slot = mean_counts.setdefault(op, {"calls": 0, "bytes": 0})
@@ -172,7 +172,7 @@ def combine_ranks(results: List[dict]) -> dict:
     }
 
 
-def combine_timing(results: List[dict]) -> dict:
+def combine_timing(results: list[dict]) -> dict:
     """A timing trial's ranks -> per mode, the slowest rank's wall time and the busiest rank's CPU time per step."""
     modes = results[0]["modes"]
     out = {
@@ -191,7 +191,7 @@ def combine_timing(results: List[dict]) -> dict:
     return out
 
 
-def _first_error(results: List[dict]) -> dict:
+def _first_error(results: list[dict]) -> dict:
     for result in results:
         if result["status"] == "error":
             return {"error": result.get("error"), "traceback": result.get("traceback", result.get("log", ""))}
@@ -204,7 +204,7 @@ class _Runner:
     def __init__(self, plan: Plan, pool: RankPool, log: Callable[[str], None]):
         self.plan, self.pool, self.log = plan, pool, log
 
-    def run(self, configuration: configs.Configuration, spec_args: dict) -> List[dict]:
+    def run(self, configuration: configs.Configuration, spec_args: dict) -> list[dict]:
         nvme = None
         if configuration.uses_nvme:
             nvme = self.plan.scratch / "nvme"
@@ -219,7 +219,7 @@ class _Runner:
             if nvme:
                 shutil.rmtree(nvme, ignore_errors=True)
 
-    def mode_rounds(self, configuration, cell: dict) -> Optional[str]:
+    def mode_rounds(self, configuration, cell: dict) -> str | None:
         """The rounds of mode trials of one cell; returns the stack's refusal of unmanaged mode, if any."""
         n_micro, refusal = cell["n_micro"], None
         for round_index in range(self.plan.rounds):
@@ -298,7 +298,7 @@ class _Runner:
         return cell
 
 
-def _missing(plan: Plan, configuration: configs.Configuration, preload_errors: dict) -> List[str]:
+def _missing(plan: Plan, configuration: configs.Configuration, preload_errors: dict) -> list[str]:
     missing = []
     skip = (configuration.skip_on or {}).get(plan.device)
     if skip and not plan.force:
@@ -310,7 +310,7 @@ def _missing(plan: Plan, configuration: configs.Configuration, preload_errors: d
     return missing
 
 
-def _preload(plan: Plan) -> List[str]:
+def _preload(plan: Plan) -> list[str]:
     runnable = [c for c in plan.configurations if plan.force or not (c.skip_on or {}).get(plan.device)]
     # On CUDA the hosts must not touch the GPU before forking, so trials load their ops themselves.
     preload = ["shm_comm"] if plan.device == "cpu" else []
@@ -321,7 +321,7 @@ def _preload(plan: Plan) -> List[str]:
     return preload
 
 
-def _measure_factor(plan: Plan, runner: _Runner, preload_errors: dict) -> List[dict]:
+def _measure_factor(plan: Plan, runner: _Runner, preload_errors: dict) -> list[dict]:
     cells = []
     for configuration in plan.configurations:
         if not _missing(plan, configuration, preload_errors):
@@ -329,7 +329,7 @@ def _measure_factor(plan: Plan, runner: _Runner, preload_errors: dict) -> List[d
     return cells
 
 
-def measure_factor(plan: Plan, log: Callable[[str], None] = print) -> List[dict]:
+def measure_factor(plan: Plan, log: Callable[[str], None] = print) -> list[dict]:
     """Only the gradient_divide_factor trials of ``plan`` (a device section's ``factor`` list)."""
     preload = _preload(plan)
     plan.scratch.mkdir(parents=True, exist_ok=True)
@@ -352,7 +352,7 @@ def measure_device(plan: Plan, log: Callable[[str], None] = print) -> dict:
             missing = _missing(plan, configuration, pool.preload_errors)
             if missing:
                 log(f"[{plan.device}] {configuration.name}: not run here ({'; '.join(missing)})")
-            refusal: Optional[str] = None
+            refusal: str | None = None
             for n_micro in plan.micro_counts:
                 cell = {
                     **cell_head(configuration, n_micro),

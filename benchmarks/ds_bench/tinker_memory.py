@@ -26,7 +26,6 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import List
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -60,6 +59,8 @@ def rank_main(out: Path, stage: int, model_dir: str, lora_clients: int = 0) -> N
     torch.set_num_threads(1)
     init_gloo_deepspeed(timeout_minutes=30)
     from deepspeed_tinker.api import ModelRecord
+    from deepspeed_tinker.commands import run_command
+    from deepspeed_tinker.jobs import AdamParams, JobKind
     from deepspeed_tinker.model import register_local_model
     from deepspeed_tinker.wire import Datum, FwdBwdRequest
     from deepspeed_tinker.worker import Worker
@@ -74,7 +75,8 @@ def rank_main(out: Path, stage: int, model_dir: str, lora_clients: int = 0) -> N
 
         after = []
         for i in range(lora_clients):
-            worker.run("create", f"lora{i}", ModelRecord(f"lora{i}", "s", spec.name, LoraSpec(rank=32, seed=i)))
+            record = ModelRecord(f"lora{i}", "s", spec.name, LoraSpec(rank=32, seed=i))
+            run_command(worker, JobKind.CREATE, f"lora{i}", record)
             dist.barrier()
             after.append(current_rss_bytes())
         (out / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "baseline": baseline, "after": after}))
@@ -82,7 +84,7 @@ def rank_main(out: Path, stage: int, model_dir: str, lora_clients: int = 0) -> N
         return
     reset_peak_rss()
     start = time.perf_counter()
-    worker.run("create", "m", ModelRecord("m", "s", spec.name, None))
+    run_command(worker, JobKind.CREATE, "m", ModelRecord("m", "s", spec.name, None))
     dist.barrier()
     load_s, load_peak = time.perf_counter() - start, peak_rss_bytes()
     engine = worker.models["m"].engine
@@ -94,9 +96,8 @@ def rank_main(out: Path, stage: int, model_dir: str, lora_clients: int = 0) -> N
                  for t in (rng.integers(0, MODEL["vocab_size"], 129).astype(np.int64) for _ in range(4)))
     reset_peak_rss()
     start = time.perf_counter()
-    worker.run("forward_backward", "m", FwdBwdRequest("m", 0, "cross_entropy", False, data))
-    worker.run("optim_step", "m", {"learning_rate": 1e-4, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8,
-                                   "weight_decay": 0.0, "grad_clip_norm": 0.0})
+    run_command(worker, JobKind.FORWARD_BACKWARD, "m", FwdBwdRequest("m", 0, "cross_entropy", False, data))
+    run_command(worker, JobKind.OPTIM_STEP, "m", AdamParams(eps=1e-8))
     dist.barrier()
     step_s, step_peak = time.perf_counter() - start, peak_rss_bytes()
     (out / f"rank{rank}.json").write_text(json.dumps({
@@ -143,7 +144,7 @@ def markdown(results: list[dict]) -> str:
                                f"{baseline / MIB:,.0f} MiB.\n")
 
 
-def main(argv: List[str]) -> None:
+def main(argv: list[str]) -> None:
     """``python -m ds_bench tinker-memory ARGV``; ``rank ...`` is how the measurement starts its ranks."""
     if argv[:1] == ["rank"]:
         rank_main(Path(argv[1]), int(argv[2]), argv[3], int(argv[4]) if len(argv) > 4 else 0)

@@ -4,11 +4,12 @@
 
 One process, no ranks: what a rank runs for ``asample`` requests (generation, then the scoring forward that gives
 the logprobs), on the same model, weights, request mix and seeds, through the sampler that was (one request at a
-time; ``generate_reference``, the test oracle in tests/tinker_server/sampling_reference.py: every sample decodes until all are done, one seeded draw at a time, the whole
-completion re-decoded for stop strings at every token) and the one that is (``SamplerPool.sample_many``: requests
-that arrive together in batches of up to 32 requests, ``sampler.generate_batch``). Both give the same tokens and
-logprobs (checked here on every request, and by tests/tinker_server/session_servers/test_sampler_batching.py). Repetitions alternate
-old and new; the median of each is reported: tokens/s = completion tokens / seconds.
+time; ``generate_reference``, the test oracle in tests/tinker_server/sampling_reference.py: every sample decodes
+until all are done, one seeded draw at a time, the whole completion re-decoded for stop strings at every token) and
+the one that is (``SamplerPool.sample_many``: requests that arrive together in batches of up to 32 requests,
+``sampler.generate_batch``). Both give the same tokens and logprobs (checked here on every request, and by
+tests/tinker_server/session_servers/test_sampler_batching.py). Repetitions alternate old and new; the median of each
+is reported: tokens/s = completion tokens / seconds.
 
 The request mix is an RL step's 64 samples: 8 prompts of 12-40 tokens, up to 64 new tokens, temperature 1,
 stopping on 8 of the 256 byte values (as an EOS ends answers at varied lengths), two prompts also on stop strings,
@@ -23,7 +24,6 @@ import json
 import statistics
 import time
 from pathlib import Path
-from typing import List
 
 #: The old sampler, kept as the tests' oracle beside them (not part of the server).
 REFERENCE = Path(__file__).resolve().parents[2] / "tests" / "tinker_server" / "sampling_reference.py"
@@ -53,11 +53,11 @@ def request_mixes(seed: int = 0) -> dict[str, list]:
 
 
 def run(reps: int, threads: int, batch: int) -> dict:
+    import importlib.util
+
     import torch
 
     from deepspeed_tinker.model import LoraSpec, build_model
-    import importlib.util
-
     from deepspeed_tinker.sampler import SamplerPool, score
 
     spec = importlib.util.spec_from_file_location("sampling_reference", REFERENCE)
@@ -120,7 +120,7 @@ def run(reps: int, threads: int, batch: int) -> dict:
     return report
 
 
-def main(argv: List[str]) -> None:
+def main(argv: list[str]) -> None:
     """``python -m ds_bench tinker-sampling ARGV``."""
     parser = argparse.ArgumentParser(prog="python -m ds_bench tinker-sampling", description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=5)

@@ -48,8 +48,8 @@ class Rank:
     """This rank's process group, model size and data for one trial."""
 
     def __init__(self, spec: dict):
-        import torch
         import deepspeed
+        import torch
         from deepspeed import comm as dist
 
         self.spec = spec
@@ -74,6 +74,7 @@ class Rank:
     def build_engine(self, mode: str, nvme_path=None):
         """A fresh model and engine for ``mode``; raises :class:`Unsupported` where the stack refuses it."""
         import inspect
+
         import deepspeed
         if mode == configs.FACTOR and "gradient_divide_factor" not in inspect.signature(
                 deepspeed.DeepSpeedEngine.step).parameters:

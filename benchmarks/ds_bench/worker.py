@@ -115,8 +115,9 @@ def serve(preload) -> None:
     replies = os.fdopen(os.dup(sys.stdout.fileno()), "w")
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
 
-    import torch  # noqa: F401 - imported once here, inherited by every trial
     import deepspeed  # noqa: F401
+    import torch  # noqa: F401 - imported once here, inherited by every trial
+
     import ds_bench.trial  # noqa: F401
     _import_trial_modules()
     errors = _preload(preload)

@@ -32,8 +32,7 @@ import chz  # noqa: E402
 import tinker  # noqa: E402
 from tinker_cookbook import tokenizer_utils  # noqa: E402
 from tinker_cookbook.rl import train  # noqa: E402
-from tinker_cookbook.rl.types import (Action, Env, EnvGroupBuilder, Observation, RLDataset, RLDatasetBuilder,
-                                      StepResult)
+from tinker_cookbook.rl.types import Action, Env, EnvGroupBuilder, Observation, RLDataset, RLDatasetBuilder, StepResult
 
 from deepspeed_tinker.byte_tokenizer import byte_tokenizer  # noqa: E402 - after the cookbook, as above
 

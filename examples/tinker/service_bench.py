@@ -24,6 +24,9 @@ from typing import Any
 
 import numpy as np
 
+from deepspeed_tinker.commands import run_command
+from deepspeed_tinker.jobs import JobKind
+
 API_KEY = "tml-bench"
 MODEL = "Qwen/Qwen3-8B"
 
@@ -157,11 +160,11 @@ class InProcessTrainer:
         torch.set_num_threads(1)
         dist.init_process_group("gloo")
         import deepspeed
-        from local_ranks.ranks import disable_cpu_shm_allreduce
 
         from deepspeed_tinker.api import ModelRecord, _adam_params
         from deepspeed_tinker.model import LoraSpec, register_local_model
         from deepspeed_tinker.wire import Datum, FwdBwdRequest
+        from local_ranks.ranks import disable_cpu_shm_allreduce
 
         disable_cpu_shm_allreduce()
         deepspeed.init_distributed(dist_backend="gloo")
@@ -169,7 +172,7 @@ class InProcessTrainer:
         from deepspeed_tinker.worker import Worker
 
         self.worker = Worker(0, 1, 1)
-        self.worker.run("create", "m", ModelRecord("m", "s", MODEL, LoraSpec(rank=8, seed=0)))
+        run_command(self.worker, JobKind.CREATE, "m", ModelRecord("m", "s", MODEL, LoraSpec(rank=8, seed=0)))
         rng = np.random.default_rng(0)
         data = []
         for _ in range(datums):
@@ -180,8 +183,8 @@ class InProcessTrainer:
 
     def step(self) -> float:
         started = time.perf_counter()
-        self.worker.run("forward_backward", "m", self.request)
-        self.worker.run("optim_step", "m", self.adam)
+        run_command(self.worker, JobKind.FORWARD_BACKWARD, "m", self.request)
+        run_command(self.worker, JobKind.OPTIM_STEP, "m", self.adam)
         return time.perf_counter() - started
 
 

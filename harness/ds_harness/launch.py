@@ -7,7 +7,7 @@ import functools
 from local_ranks.ranks import free_port  # noqa: F401 - the harness's port source
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def gpu_count() -> int:
     """CUDA devices visible to the pytest process (0 on CPU machines)."""
     import torch  # deferred: collection of non-distributed tests should not pay for torch

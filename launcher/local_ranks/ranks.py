@@ -15,7 +15,6 @@ import subprocess
 from pathlib import Path
 from typing import Any, Mapping, NoReturn, Sequence
 
-
 MASTER_ADDR = "127.0.0.1"
 
 

@@ -11,19 +11,19 @@ import os
 import secrets
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from .api import DEFAULT_MAX_CHUNK_DATUMS, DEFAULT_SESSION_TIMEOUT_S
+from .config import DEFAULT_CHECKPOINTS, ServerConfig
+from .faults import DEFAULT_DRAIN_S, DEFAULT_PEER_TIMEOUT_S
 from .http_app import DEFAULT_MAX_BODY_BYTES
 from .keys import KEYS_ENV, check_host, load_api_keys
 from .launch import ServerProcess, serve
-from .scheduler import DEFAULT_FUTURE_TTL_S, DEFAULT_MAX_FUTURES, DEFAULT_RETRIEVED_GRACE_S
 from .model import parse_base_model
-from .faults import DEFAULT_DRAIN_S, DEFAULT_PEER_TIMEOUT_S
 from .sampling import DEFAULT_SNAPSHOT_BYTES, MAX_SNAPSHOTS
+from .scheduler import DEFAULT_FUTURE_TTL_S, DEFAULT_MAX_FUTURES, DEFAULT_RETRIEVED_GRACE_S
 
-#: Relative to the working directory the server starts in.
-DEFAULT_CHECKPOINTS = Path("scratch") / "tinker_checkpoints"
 #: Environment variable naming the folder of the demos' clients (default: the checkout's examples/tinker/).
 CLIENTS_ENV = "DEEPSPEED_TINKER_CLIENTS"
 
@@ -110,47 +110,6 @@ def _server_options(parser: argparse.ArgumentParser) -> None:
                         "(default: %(default)s)")
 
 
-def _server_args(args: argparse.Namespace) -> list[str]:
-    """Every ``_server_options`` value as the ranks' arguments, but ``--zero-stage`` and ``--checkpoint-dir`` (which
-    ``ServerProcess`` takes as parameters)."""
-    out = ["--max-chunk-datums", str(args.max_chunk_datums), "--long-poll-s", str(args.long_poll_s)]
-    if args.no_compress:
-        out.append("--no-compress")
-    for value in args.base_model:
-        name, path = parse_base_model(value)
-        resolved = str(Path(path).expanduser().resolve())
-        out += ["--base-model", f"{name}={resolved}" if name else resolved]
-    out += ["--device", args.device, "--dtype", args.dtype]
-    if args.gradient_checkpointing:
-        out.append("--gradient-checkpointing")
-    if args.keep_checkpoints is not None:
-        out += ["--keep-checkpoints", str(args.keep_checkpoints)]
-    out += ["--max-body-bytes", str(args.max_body_bytes), "--max-futures", str(args.max_futures), "--future-ttl-s",
-            str(args.future_ttl_s), "--retrieved-grace-s", str(args.retrieved_grace_s)]
-    if args.max_futures_per_session is not None:
-        out += ["--max-futures-per-session", str(args.max_futures_per_session)]
-    if args.threads_per_rank is not None:
-        out += ["--threads-per-rank", str(args.threads_per_rank)]
-    out += ["--session-timeout-s", str(args.session_timeout_s)]
-    if args.api_keys_file is not None:
-        out += ["--api-keys-file", str(args.api_keys_file.expanduser().resolve())]
-    if args.no_access_log:
-        out.append("--no-access-log")
-    out += ["--fault-drain-s", str(args.fault_drain_s), "--peer-timeout-s", str(args.peer_timeout_s),
-            "--sampler-snapshots", str(args.sampler_snapshots), "--sampler-snapshot-mib",
-            str(args.sampler_snapshot_mib)]
-    return out
-
-
-def _rank_args(args: argparse.Namespace) -> list[str]:
-    """What ``serve`` passes to each rank: its own options and every server option."""
-    out = ["--port", str(args.port), "--host", args.host, "--zero-stage", str(args.zero_stage), "--checkpoint-dir",
-           str(args.checkpoint_dir)]
-    if args.ready_file:
-        out += ["--ready-file", str(args.ready_file)]
-    return out + _server_args(args)
-
-
 def _client(name: str) -> str:
     """A demo client script: from ``$DEEPSPEED_TINKER_CLIENTS``, else the examples/tinker/ folder of the checkout this
     package is installed (editable) from. The clients are examples, not part of the installed server."""
@@ -175,14 +134,10 @@ def _demo_server(args: argparse.Namespace, checkpoints: Path,
     keys_file = checkpoints / "api-keys"
     keys_file.touch(mode=0o600)
     keys_file.write_text(key + "\n")
-    options = argparse.Namespace(**vars(args))
-    options.device = "cpu" if args.device == "auto" else args.device
-    options.no_access_log = not args.access_log
-    options.api_keys_file = keys_file
-    options.base_model = [*args.base_model, *base_models]
-    server = ServerProcess(world_size=args.world_size, zero_stage=args.zero_stage, checkpoint_dir=checkpoints,
-                           extra_args=_server_args(options))
-    return server, {**os.environ, "TINKER_API_KEY": key}
+    config = replace(ServerConfig.from_args(args), port=0, checkpoint_root=checkpoints,
+                     device="cpu" if args.device == "auto" else args.device, access_log=args.access_log,
+                     api_keys_file=keys_file, base_models=resolved_base_models([*args.base_model, *base_models]))
+    return ServerProcess(world_size=args.world_size, config=config), {**os.environ, "TINKER_API_KEY": key}
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -278,19 +233,41 @@ def build_parser() -> argparse.ArgumentParser:
 
     # The deepspeed launcher passes --local_rank=N before the command (LOCAL_RANK is in the environment too).
     parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
+    for command in (serve_cmd, rank_cmd):  # the whole configuration as one JSON value (serve to its ranks)
+        command.add_argument("--config-json", help=argparse.SUPPRESS)
     return parser
+
+
+def resolved_base_models(values: list[str]) -> tuple[str, ...]:
+    """``--base-model`` values with absolute paths: the ranks may start in another directory."""
+    out = []
+    for value in values:
+        name, path = parse_base_model(value)
+        resolved = str(Path(path).expanduser().resolve())
+        out.append(f"{name}={resolved}" if name else resolved)
+    return tuple(out)
+
+
+def server_config(args: argparse.Namespace) -> ServerConfig:
+    """``serve``'s and ``rank``'s configuration: the one ``serve`` passed whole, else the flags'."""
+    if args.config_json:
+        return ServerConfig.from_json(args.config_json)
+    config = ServerConfig.from_args(args)
+    api_keys_file = config.api_keys_file.expanduser().resolve() if config.api_keys_file else None
+    return replace(config, base_models=resolved_base_models(list(config.base_models)), api_keys_file=api_keys_file)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command in ("serve", "rank"):
+        config = server_config(args)
         try:
-            check_host(args.host, load_api_keys(args.api_keys_file))
+            check_host(config.host, load_api_keys(config.api_keys_file))
         except ValueError as e:
             parser.error(str(e))
     if args.command == "serve":
-        return serve(args.world_size, _rank_args(args), device=args.device, fault_drain_s=args.fault_drain_s)
+        return serve(args.world_size, config)
     if args.command == "demo":
         return _demo(args)
     if args.command == "rl-demo":
@@ -298,23 +275,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "recipes-demo":
         return _recipes_demo(args)
     from local_ranks.ranks import exit_rank
-    from .server import RankOptions, run_rank
 
-    code = run_rank(RankOptions(port=args.port, zero_stage=args.zero_stage, checkpoint_root=args.checkpoint_dir,
-                                ready_file=args.ready_file, max_chunk_datums=args.max_chunk_datums,
-                                compress_fwdbwd=not args.no_compress, long_poll_s=args.long_poll_s,
-                                fault_drain_s=args.fault_drain_s, peer_timeout_s=args.peer_timeout_s,
-                                sampler_snapshots=args.sampler_snapshots,
-                                sampler_snapshot_bytes=args.sampler_snapshot_mib << 20,
-                                base_models=tuple(args.base_model), host=args.host, device=args.device,
-                                dtype=args.dtype, gradient_checkpointing=args.gradient_checkpointing,
-                                keep_checkpoints=args.keep_checkpoints, max_body_bytes=args.max_body_bytes,
-                                access_log=not args.no_access_log, api_keys_file=args.api_keys_file,
-                                max_futures=args.max_futures, future_ttl_s=args.future_ttl_s,
-                                max_futures_per_session=args.max_futures_per_session,
-                                retrieved_grace_s=args.retrieved_grace_s,
-                                threads_per_rank=args.threads_per_rank,
-                                session_timeout_s=args.session_timeout_s))
+    from .server import run_rank
+
+    code = run_rank(config)
     exit_rank(code)  # a rank that stopped cleanly skips interpreter teardown
 
 

@@ -17,7 +17,7 @@ import random
 import re
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -25,6 +25,16 @@ import numpy as np
 
 from .checkpoint_files import directory_size, parse_age_recipients
 from .checkpoint_store import CheckpointStore
+from .jobs import (
+    AdamParams,
+    CheckpointRecord,
+    JobKind,
+    LoadWeights,
+    SaveExternal,
+    SaveSampler,
+    SaveWeights,
+    WeightsMeta,
+)
 from .metrics import ServerMetrics
 from .model import BASE_MODELS, DEFAULT_LORA_RANK, BaseModelSpec, LoraSpec
 from .responses import Response, error_response, json_response
@@ -32,9 +42,19 @@ from .rest_api import RunsApi, parse_ttl
 from .sampling import SampleResult, SnapshotRef, encode_sample_response, parse_sample, sample_response_json
 from .scheduler import Future, FutureStore, FutureStoreFull, QueuePosition, Scheduler
 from .stability import StabilityRecords, resolve_provenance
-from .wire import (PROTO_CONTENT_TYPE, PROVENANCE_LOSSES, FwdBwdRequest, FwdBwdResult, UserError, check_against_model,
-                   encode_forward_backward_output, forward_backward_output_json, parse_forward_backward, parse_json,
-                   validate_forward_backward)
+from .wire import (
+    PROTO_CONTENT_TYPE,
+    PROVENANCE_LOSSES,
+    FwdBwdRequest,
+    FwdBwdResult,
+    UserError,
+    check_against_model,
+    encode_forward_backward_output,
+    forward_backward_output_json,
+    parse_forward_backward,
+    parse_json,
+    validate_forward_backward,
+)
 
 log = logging.getLogger("tinker_server")
 
@@ -131,14 +151,13 @@ def queue_state(position: QueuePosition | None) -> tuple[str, str]:
     return "active", "next to run"
 
 
-def _adam_params(body: dict[str, Any]) -> dict[str, float]:
+def _adam_params(body: dict[str, Any]) -> AdamParams:
     """The per-step Adam hyper-parameters, validated; other optimizer families are refused."""
     if "adam_params" not in body:
         kind = (body.get("optimizer_params") or {}).get("type", "none")
         raise UserError(f"unsupported optimizer {kind!r}: this server runs AdamW (send adam_params)")
     raw = body["adam_params"]
-    defaults = {"learning_rate": 1e-4, "beta1": 0.9, "beta2": 0.95, "eps": 1e-12, "weight_decay": 0.0,
-                "grad_clip_norm": 0.0}
+    defaults = asdict(AdamParams())
     unknown = sorted(set(raw) - set(defaults))
     if unknown:
         raise UserError(f"unknown adam_params {unknown}")
@@ -149,7 +168,11 @@ def _adam_params(body: dict[str, Any]) -> dict[str, float]:
         raise UserError("adam_params: learning_rate and weight_decay must be >= 0 and eps > 0")
     if not (0 <= params["beta1"] < 1 and 0 <= params["beta2"] < 1):
         raise UserError("adam_params: beta1 and beta2 must be in [0, 1)")
-    return params
+    return AdamParams(**params)
+
+
+def _weights_meta(record: ModelRecord) -> WeightsMeta:
+    return WeightsMeta(record.base_model, record.lora.__dict__ if record.lora else None)
 
 
 class TinkerApi:
@@ -322,7 +345,7 @@ class TinkerApi:
         message = f"session {session_id} was closed: {reason}"
         self.scheduler.drop_session(session_id, message)
         for model_id in sorted(model_ids):  # internal: bookkeeping is never refused; in the session's turns
-            self.scheduler.submit("unload", model_id, internal=True, session=session_id)
+            self.scheduler.submit(JobKind.UNLOAD, model_id, internal=True, session=session_id)
         log.warning("closed session %s (%s): %d model(s) unloaded", session_id, reason, len(model_ids))
         return len(model_ids)
 
@@ -337,7 +360,7 @@ class TinkerApi:
                 self._creates.pop(model_id, None)
         for model_id in model_ids:
             self.scheduler.close_model(model_id)
-            self.scheduler.submit("unload", model_id, internal=True, session=session_id)
+            self.scheduler.submit(JobKind.UNLOAD, model_id, internal=True, session=session_id)
         return json_response({})
 
     def sessions(self) -> int:
@@ -356,7 +379,7 @@ class TinkerApi:
         return ModelRecord(f"{session_id}:train:{int(body.get('model_seq_id', 0))}", session_id, base_model, lora,
                            dict(metadata) if isinstance(metadata, dict) and metadata else None)
 
-    def _open(self, record: ModelRecord, jobs: list[tuple[str, Any]]) -> Response:
+    def _open(self, record: ModelRecord, jobs: list[tuple[JobKind, Any]]) -> Response:
         """Make a model addressable and queue the jobs that bring it up; the client waits on the last.
 
         A retried create (same session and ``model_seq_id``) gets the first future back. With the future store
@@ -397,7 +420,7 @@ class TinkerApi:
                 if not lora.target_modules():
                     raise UserError("lora_config trains nothing (train_attn, train_mlp, train_unembed all false)")
             record = self._new_model(request, lora, str(request.get("base_model", "")))
-            return self._open(record, [("create", record)])
+            return self._open(record, [(JobKind.CREATE, record)])
         except UserError as e:
             return self._failed_future(str(e), session=str(request.get("session_id", "")))
 
@@ -457,7 +480,7 @@ class TinkerApi:
 
     # ------------------------------------------------------------------ training
 
-    def _sequenced(self, model_id: str, seq_id: Any, kind: str, build: Callable[[ModelRecord], Any]) -> Response:
+    def _sequenced(self, model_id: str, seq_id: Any, kind: JobKind, build: Callable[[ModelRecord], Any]) -> Response:
         """Queue a model request in seq order; a user error found by ``build`` still fills its slot."""
         try:
             record = self.model(model_id)
@@ -505,7 +528,7 @@ class TinkerApi:
                                                       for i, d in enumerate(request.data)))
             return request
 
-        kind = "forward" if forward_only else "forward_backward"
+        kind = JobKind.FORWARD if forward_only else JobKind.FORWARD_BACKWARD
         return self._sequenced(msg.model_id, int(msg.seq_id), kind, build)
 
     def _forward(self, headers: dict[str, str], body: bytes) -> Response:
@@ -513,7 +536,7 @@ class TinkerApi:
 
     def _optim_step(self, headers: dict[str, str], body: bytes) -> Response:
         request = parse_json(body)
-        return self._sequenced(str(request.get("model_id", "")), request.get("seq_id"), "optim_step",
+        return self._sequenced(str(request.get("model_id", "")), request.get("seq_id"), JobKind.OPTIM_STEP,
                                lambda record: _adam_params(request))
 
     def _save_weights(self, headers: dict[str, str], body: bytes) -> Response:
@@ -525,21 +548,21 @@ class TinkerApi:
             if not CHECKPOINT_NAME.match(str(name)):
                 raise UserError(f"checkpoint name {name!r} must match {CHECKPOINT_NAME.pattern}")
             directory = checkpoint_dir(self.settings.checkpoint_root, model_id, str(name))
-            return {"name": str(name), "overwrite": bool(request.get("overwrite", False)), "dir": str(directory),
-                    "path": f"tinker://{model_id}/weights/{name}",
-                    "meta": {"base_model": record.base_model, "lora": record.lora.__dict__ if record.lora else None},
-                    "checkpoint": self._checkpoint_record(request, model_id, f"weights/{name}", directory)}
+            return SaveWeights(str(directory), f"tinker://{model_id}/weights/{name}",
+                               bool(request.get("overwrite", False)), _weights_meta(record),
+                               self._checkpoint_record(request, model_id, f"weights/{name}", directory))
 
-        return self._sequenced(model_id, request.get("seq_id"), "save_weights", build)
+        return self._sequenced(model_id, request.get("seq_id"), JobKind.SAVE_WEIGHTS, build)
 
-    def _checkpoint_record(self, request: dict[str, Any], model_id: str, checkpoint_id: str,
-                           directory: Path) -> dict[str, Any]:
-        """What ``job_finished`` records once the save is complete: TTL and metadata, checked now."""
+    @staticmethod
+    def _checkpoint_record(request: dict[str, Any], model_id: str, checkpoint_id: str,
+                           directory: Path) -> CheckpointRecord:
+        """What ``record_checkpoint`` records once the save is complete: TTL and metadata, checked now."""
         metadata = request.get("user_metadata")
         if metadata is not None and not isinstance(metadata, dict):
             raise UserError("user_metadata must be an object")
-        return {"run_id": model_id, "checkpoint_id": checkpoint_id, "dir": str(directory),
-                "ttl_seconds": parse_ttl(request.get("ttl_seconds")), "user_metadata": metadata or None}
+        return CheckpointRecord(model_id, checkpoint_id, str(directory), parse_ttl(request.get("ttl_seconds")),
+                                metadata or None)
 
     def _listed(self, model_id: str, checkpoint_id: str) -> bool:
         """Whether a checkpoint exists: recorded and not expired (what is not listed cannot be loaded)."""
@@ -563,19 +586,19 @@ class TinkerApi:
                 record = self._new_model(request, lora, request.get("base_model") or meta["base_model"])
                 if record.base_model != meta["base_model"]:
                     raise UserError(f"checkpoint is for {meta['base_model']}, not {record.base_model}")
-                load = {"dir": str(directory), "optimizer": optimizer, "path": request["path"]}
-                return self._open(record, [("create", record), ("load_weights", load)])
+                load = LoadWeights(str(directory), str(request["path"]), optimizer)
+                return self._open(record, [(JobKind.CREATE, record), (JobKind.LOAD_WEIGHTS, load)])
             except UserError as e:
                 return self._failed_future(str(e), session=str(request.get("session_id", "")))
 
-        def build(record: ModelRecord) -> dict[str, Any]:
+        def build(record: ModelRecord) -> LoadWeights:
             directory, meta = self._load_source(str(request.get("path", "")))
             if meta["base_model"] != record.base_model or (meta.get("lora") or None) != (
                     record.lora.__dict__ if record.lora else None):
                 raise UserError("checkpoint does not match this model's base model and LoRA config")
-            return {"dir": str(directory), "optimizer": optimizer, "path": request["path"]}
+            return LoadWeights(str(directory), str(request["path"]), optimizer)
 
-        return self._sequenced(str(request.get("model_id", "")), request.get("seq_id"), "load_weights", build)
+        return self._sequenced(str(request.get("model_id", "")), request.get("seq_id"), JobKind.LOAD_WEIGHTS, build)
 
     # ------------------------------------------------------------------ sampling
 
@@ -586,7 +609,7 @@ class TinkerApi:
         model_id = str(request.get("model_id", ""))
         snapshot_id = f"snap-{random.getrandbits(64):016x}"
 
-        def build(record: ModelRecord) -> dict[str, Any]:
+        def build(record: ModelRecord) -> SaveSampler:
             lora = record.lora.__dict__ if record.lora else None
             name = request.get("path")
             if name:
@@ -594,21 +617,18 @@ class TinkerApi:
                     raise UserError(f"sampler weights name {name!r} must match {CHECKPOINT_NAME.pattern}")
                 directory = checkpoint_dir(self.settings.checkpoint_root, model_id, str(name), "sampler_weights")
                 path = f"tinker://{model_id}/sampler_weights/{name}"
-                return {"snapshot_id": path, "dir": str(directory), "meta": {"base_model": record.base_model,
-                                                                              "lora": lora},
-                        "reply": {"path": path, "type": "save_weights_for_sampler"},
-                        "checkpoint": self._checkpoint_record(request, model_id, f"sampler_weights/{name}",
-                                                              directory)}
+                return SaveSampler(path, {"path": path, "type": "save_weights_for_sampler"}, str(directory),
+                                   _weights_meta(record),
+                                   self._checkpoint_record(request, model_id, f"sampler_weights/{name}", directory))
             seq = request.get("sampling_session_seq_id")
             if not isinstance(seq, int):
                 raise UserError("save_weights_for_sampler needs a path (name) or a sampling_session_seq_id")
             session_id = f"{record.session_id}:sample:{seq}"
             self._register_sampler(SamplingSession(session_id, record.base_model, None,
                                                    SnapshotRef(snapshot_id, record.base_model, lora)))
-            return {"snapshot_id": snapshot_id,
-                    "reply": {"sampling_session_id": session_id, "type": "save_weights_for_sampler"}}
+            return SaveSampler(snapshot_id, {"sampling_session_id": session_id, "type": "save_weights_for_sampler"})
 
-        return self._sequenced(model_id, request.get("seq_id"), "save_sampler", build)
+        return self._sequenced(model_id, request.get("seq_id"), JobKind.SAVE_SAMPLER, build)
 
     def _save_weights_external(self, headers: dict[str, str], body: bytes) -> Response:
         """Export the training weights in Hugging Face formats (a PEFT adapter for LoRA, a model directory for
@@ -616,7 +636,7 @@ class TinkerApi:
         request = parse_json(body)
         model_id = str(request.get("model_id", ""))
 
-        def build(record: ModelRecord) -> dict[str, Any]:
+        def build(record: ModelRecord) -> SaveExternal:
             name = str(request.get("path") or "")
             if not CHECKPOINT_NAME.match(name):
                 raise UserError(f"external weights name {name!r} must match {CHECKPOINT_NAME.pattern}")
@@ -631,29 +651,32 @@ class TinkerApi:
             directory = checkpoint_dir(self.settings.checkpoint_root, model_id, name, "external_weights")
             path = f"tinker://{model_id}/external_weights/{name}"
             tokenizer = self.tokenizer_id(record.base_model)
-            return {"dir": str(directory), "served_name": record.base_model, "tokenizer_dir": tokenizer,
-                    "recipients": [str(r) for r in recipients] if recipients else None,
-                    "reply": {"path": path, "type": "save_weights_external"},
-                    "checkpoint": self._checkpoint_record(request, model_id, f"external_weights/{name}", directory)}
+            return SaveExternal(str(directory), record.base_model, tokenizer,
+                                tuple(str(r) for r in recipients) if recipients else None,
+                                {"path": path, "type": "save_weights_external"},
+                                self._checkpoint_record(request, model_id, f"external_weights/{name}", directory))
 
-        return self._sequenced(model_id, request.get("seq_id"), "save_external", build)
+        return self._sequenced(model_id, request.get("seq_id"), JobKind.SAVE_EXTERNAL, build)
 
     # ------------------------------------------------------------ after jobs
 
-    def job_finished(self, kind: str, model_id: str, payload: Any, ok: bool) -> None:
-        """Rank 0's job loop, after each job: record new training runs and complete checkpoints."""
-        if not ok:
-            return
-        if kind == "create":
-            record: ModelRecord = payload
-            self.store.add_run(record.model_id, record.base_model, record.lora.__dict__ if record.lora else None,
-                               record.user_metadata)
-        elif isinstance(payload, dict) and "checkpoint" in payload:
-            info = payload["checkpoint"]
-            directory = Path(info["dir"])
-            self.store.add_checkpoint(info["run_id"], info["checkpoint_id"], directory, directory_size(directory),
-                                      info["ttl_seconds"], info["user_metadata"])
-            self.prune_checkpoints(info["run_id"])
+    # ------------------------------------------------------------ after jobs (commands.Recorder)
+
+    def record_run(self, record: ModelRecord) -> None:
+        """A training model was created on every rank: list its training run."""
+        self.store.add_run(record.model_id, record.base_model, record.lora.__dict__ if record.lora else None,
+                           record.user_metadata)
+
+    def record_checkpoint(self, checkpoint: CheckpointRecord) -> None:
+        """A save is complete on every rank: list the checkpoint, then prune the run's older ones."""
+        directory = Path(checkpoint.dir)
+        self.store.add_checkpoint(checkpoint.run_id, checkpoint.checkpoint_id, directory, directory_size(directory),
+                                  checkpoint.ttl_seconds, checkpoint.user_metadata)
+        self.prune_checkpoints(checkpoint.run_id)
+
+    def forget_checkpoint(self, checkpoint: CheckpointRecord) -> None:
+        """A save is about to replace this checkpoint: unlisted first, so nobody loads it half written."""
+        self.store.forget(checkpoint.run_id, checkpoint.checkpoint_id)
 
     def prune_checkpoints(self, run_id: str | None = None) -> list[str]:
         """Rank 0's job loop, after a save and at start-up: with ``keep_checkpoints`` set, delete the checkpoints
@@ -749,7 +772,7 @@ class TinkerApi:
             if request.get("record_stability_info"):
                 if sampler is None:
                     raise UserError("record_stability_info needs a sampling session (its session owns the records)")
-            request_id = self.scheduler.submit("sample", str(sampler_id or base_model), job,
+            request_id = self.scheduler.submit(JobKind.SAMPLE, str(sampler_id or base_model), job,
                                                session=self._session_of(str(sampler_id)) if sampler_id else "")
             if request.get("record_stability_info"):
                 self.stability.record(self._sampler_session(str(sampler_id)), sequence_ids, request_id, job.prompt)

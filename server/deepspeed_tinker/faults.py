@@ -62,7 +62,7 @@ class PeerWatch:
             self._listener.settimeout(max(0.1, deadline - time.monotonic()))
             try:
                 conn, _ = self._listener.accept()
-            except socket.timeout:
+            except TimeoutError:
                 raise RuntimeError(f"only {len(self._peers)} of {self.world_size - 1} ranks connected to rank 0's "
                                    f"liveness watch within {timeout_s:g} s") from None
             conn.settimeout(10.0)

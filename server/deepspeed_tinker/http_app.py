@@ -310,7 +310,7 @@ class HttpServer:
     def port(self) -> int:
         return self.socket.getsockname()[1]
 
-    def start(self, timeout_s: float = 30.0) -> "HttpServer":
+    def start(self, timeout_s: float = 30.0) -> HttpServer:
         self.thread.start()
         deadline = time.monotonic() + timeout_s
         while not self.server.started:

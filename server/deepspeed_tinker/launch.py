@@ -16,13 +16,14 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from local_ranks import ranks
 from local_ranks.procs import kill_tree
-from local_ranks.ranks import free_port  # noqa: F401 - re-exported for the server's tests
 
-from .faults import DEFAULT_DRAIN_S, EXIT_RANK_FAILED
+from .config import ServerConfig
+from .faults import EXIT_RANK_FAILED
 
 
 def cuda_device_count() -> int:
@@ -32,8 +33,7 @@ def cuda_device_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def serve(world_size: int | None, rank_args: list[str], grace_s: float = 90.0, device: str = "auto",
-          fault_drain_s: float = DEFAULT_DRAIN_S) -> int:
+def serve(world_size: int | None, config: ServerConfig, grace_s: float = 90.0) -> int:
     """Run ``world_size`` ranks until they exit; SIGTERM/SIGINT stop them through rank 0. Returns 0 after a clean
     stop, rank 0's own code if it exited with one (2: bad options), else ``EXIT_RANK_FAILED``.
 
@@ -41,8 +41,9 @@ def serve(world_size: int | None, rank_args: list[str], grace_s: float = 90.0, d
     ``device="cpu"``). Rank 0 finishes the job in hand, tells the other ranks to stop, and everyone
     exits 0. When another rank dies, rank 0 fails every request for ``fault_drain_s`` and exits
     (``faults``): the other ranks are stopped at once, rank 0 once it is past its drain (or at once if
-    it is the one that died).
+    it is the one that died). Every rank gets ``config`` whole.
     """
+    device, fault_drain_s = config.device, config.fault_drain_s
     gpus = 0 if device == "cpu" else cuda_device_count()
     if device == "cuda" and not gpus:
         print("[tinker-server] --device cuda, but torch sees no CUDA device", file=sys.stderr)
@@ -53,7 +54,7 @@ def serve(world_size: int | None, rank_args: list[str], grace_s: float = 90.0, d
         print(f"[tinker-server] {world_size} ranks but {gpus} GPUs: one rank per GPU (pass --device cpu for CPU "
               "ranks)", file=sys.stderr)
         return 2
-    command = [sys.executable, "-m", "deepspeed_tinker", "rank", *rank_args]
+    command = [sys.executable, "-m", "deepspeed_tinker", "rank", "--config-json", config.to_json()]
     # Models come from local configs; never reach for a hub.
     rank_procs = ranks.start_ranks(command, world_size, cpu=not gpus, env={"HF_HUB_OFFLINE": "1", **os.environ})
     stop_requested: list[float] = []
@@ -91,11 +92,16 @@ def serve(world_size: int | None, rank_args: list[str], grace_s: float = 90.0, d
 class ServerProcess:
     """A whole server (launcher + ranks) as one child process group, stopped by PID.
 
-    Used by the demo and the tests: ``start()`` returns once rank 0 is serving.
+    Used by the demos and the tests: ``start()`` returns once rank 0 is serving. Configured by a ``ServerConfig``
+    (the demos), or by ``serve``'s command-line options (the tests: ``checkpoint_dir``, ``zero_stage`` and
+    ``extra_args``).
     """
 
-    def __init__(self, *, world_size: int = 2, zero_stage: int = 1, checkpoint_dir: Path,
-                 extra_args: list[str] | None = None, log_path: Path | None = None) -> None:
+    def __init__(self, *, world_size: int = 2, config: ServerConfig | None = None, zero_stage: int = 1,
+                 checkpoint_dir: Path | None = None, extra_args: list[str] | None = None,
+                 log_path: Path | None = None) -> None:
+        self.world_size = world_size
+        self.config = config
         self.args = ["serve", "--world-size", str(world_size), "--zero-stage", str(zero_stage), "--port", "0",
                      "--checkpoint-dir", str(checkpoint_dir), *(extra_args or [])]
         self.log_path = log_path
@@ -110,7 +116,7 @@ class ServerProcess:
             out = open(self.log_path, "ab")
         try:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "deepspeed_tinker", *self.args, "--ready-file", str(ready)],
+                [sys.executable, "-m", "deepspeed_tinker", *self.serve_args(ready)],
                 stdout=out, stderr=subprocess.STDOUT if out else None, start_new_session=True)
         finally:
             if out is not None:
@@ -128,6 +134,13 @@ class ServerProcess:
         ready.parent.rmdir()
         return self.base_url
 
+    def serve_args(self, ready: Path) -> list[str]:
+        """The ``serve`` command line that starts it, rank 0 writing ``ready`` once serving."""
+        if self.config is not None:
+            config = replace(self.config, ready_file=ready)
+            return ["serve", "--world-size", str(self.world_size), "--config-json", config.to_json()]
+        return [*self.args, "--ready-file", str(ready)]
+
     def stop(self, timeout_s: float = 120.0) -> int | None:
         """SIGTERM the launcher (a clean stop); kill it and its ranks if it hangs."""
         if self.process is None:
@@ -142,7 +155,7 @@ class ServerProcess:
         self.process.wait()
         return self.process.returncode
 
-    def __enter__(self) -> "ServerProcess":
+    def __enter__(self) -> ServerProcess:
         self.start()
         return self
 

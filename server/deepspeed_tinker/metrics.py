@@ -22,6 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from .commands import COMMANDS, TOKEN_LABELS, StepRole
 from .sampling import SampleResult
 from .scheduler import Future, Scheduler
 from .wire import FwdBwdResult
@@ -40,8 +41,6 @@ MEMORY_KINDS = ("rss", "engines", "snapshots", "device_allocated")
 #: ``tinker_tokens_per_second`` is over the jobs finished in this window.
 TOKENS_WINDOW_S = 60.0
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
-#: Job kinds whose tokens are counted, and the ``kind`` label they are counted under.
-TOKEN_KINDS = {"forward_backward": "train", "forward": "forward", "sample": "sample"}
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
@@ -93,7 +92,8 @@ class ServerMetrics:
 
     def observe(self, future: Future) -> None:
         """Record a finished request (``FutureStore.on_finish``)."""
-        kind = future.kind or "unknown"
+        kind = str(future.kind or "unknown")
+        command = COMMANDS.get(future.kind) if future.kind is not None else None
         status = "ok" if future.status == "ok" else (future.category or "server")
         self.requests.labels(kind, status).inc()
         if future.finished is None:
@@ -103,21 +103,23 @@ class ServerMetrics:
             self.run_time.labels(kind).observe(future.finished - future.started)
         if future.status != "ok":
             return
+        if command is None:
+            return
         tokens = result_tokens(future.result)
-        if kind in TOKEN_KINDS and tokens:
-            self.tokens.labels(TOKEN_KINDS[kind]).inc(tokens)
+        if command.tokens is not None and tokens:
+            self.tokens.labels(command.tokens).inc(tokens)
             with self._lock:
-                self._window.append((future.finished, TOKEN_KINDS[kind], tokens))
-        if kind == "forward_backward":
+                self._window.append((future.finished, command.tokens, tokens))
+        if command.step is StepRole.ACCUMULATE:
             with self._lock:
                 step = self._steps.setdefault(future.model_id, _Step())
                 step.requests += 1
                 step.tokens += tokens
                 if step.first_started is None:
                     step.first_started = future.started if future.started is not None else future.created
-        elif kind == "optim_step":
+        elif command.step is StepRole.END:
             self._log_step(future)
-        elif kind == "unload":
+        elif command.step is StepRole.FORGET:
             with self._lock:
                 self._steps.pop(future.model_id, None)
 
@@ -137,13 +139,13 @@ class ServerMetrics:
     def tokens_per_second(self, now: float | None = None) -> dict[str, float]:
         """Tokens per second of each kind over the jobs finished in the last ``TOKENS_WINDOW_S``."""
         now = time.monotonic() if now is None else now
-        totals = {kind: 0 for kind in TOKEN_KINDS.values()}
+        totals = {label: 0 for label in TOKEN_LABELS}
         with self._lock:
             while self._window and self._window[0][0] < now - TOKENS_WINDOW_S:
                 self._window.popleft()
-            for _, kind, tokens in self._window:
-                totals[kind] += tokens
-        return {kind: total / TOKENS_WINDOW_S for kind, total in totals.items()}
+            for _, label, tokens in self._window:
+                totals[label] += tokens
+        return {label: total / TOKENS_WINDOW_S for label, total in totals.items()}
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

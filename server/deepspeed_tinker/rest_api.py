@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import json
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Callable
 
@@ -133,7 +133,7 @@ class RunsApi:
         files = sorted(p.relative_to(row.directory).as_posix() for p in row.directory.rglob("*") if p.is_file())
         return json_response({
             "urls": {name: self.signer.sign(base_url, run_id, checkpoint_id, name, expires) for name in files},
-            "expires": datetime.fromtimestamp(expires, timezone.utc).isoformat()})
+            "expires": datetime.fromtimestamp(expires, UTC).isoformat()})
 
     def _weights_info(self, body: bytes) -> Response:
         try:

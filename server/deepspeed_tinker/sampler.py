@@ -25,7 +25,7 @@ import torch
 
 from .checkpoint_files import read_weights
 from .model import BASE_MODELS, LoraSpec, build_base, build_model, token_logprobs
-from .sampling import DEFAULT_SNAPSHOT_BYTES, MAX_SNAPSHOTS, SampledSequence, SampleJob, SampleResult, SnapshotRef
+from .sampling import DEFAULT_SNAPSHOT_BYTES, MAX_SNAPSHOTS, SampledSequence, SampleJob, SnapshotRef
 from .wire import UserError
 
 #: Beside the weights (``checkpoint_files``) of a named snapshot: its base model and LoRA config.
@@ -459,12 +459,3 @@ def prompt_logprobs(module: torch.nn.Module, prompt: torch.Tensor, job: SampleJo
         values[:p - job.prompt_logprobs_last_n] = np.nan
     result["logprobs"] = values
     return result
-
-
-def merge_samples(parts: list[dict[str, Any]]) -> SampleResult:
-    """Rank 0: every rank's share in rank order (so sample ``i`` stays at index ``i``)."""
-    sequences = tuple(s for part in parts for s in part["sequences"])
-    prompt = next((part["prompt"] for part in parts if "prompt" in part), None)
-    return SampleResult(sequences, None if prompt is None else prompt["logprobs"],
-                        None if prompt is None else prompt.get("topk_ids"),
-                        None if prompt is None else prompt.get("topk_logprobs"))

@@ -216,3 +216,12 @@ def sample_response_json(result: SampleResult) -> dict[str, Any]:
                       for s in result.sequences],
         "prompt_logprobs": None if result.prompt_logprobs is None else floats(result.prompt_logprobs),
     }
+
+
+def merge_samples(parts: list[dict[str, Any]]) -> SampleResult:
+    """Rank 0: every rank's share in rank order (so sample ``i`` stays at index ``i``)."""
+    sequences = tuple(s for part in parts for s in part["sequences"])
+    prompt = next((part["prompt"] for part in parts if "prompt" in part), None)
+    return SampleResult(sequences, None if prompt is None else prompt["logprobs"],
+                        None if prompt is None else prompt.get("topk_ids"),
+                        None if prompt is None else prompt.get("topk_logprobs"))

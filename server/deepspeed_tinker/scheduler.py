@@ -18,11 +18,13 @@ from __future__ import annotations
 import asyncio
 import collections
 import itertools
-import threading
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
+
+from .jobs import JobKind
 
 log = logging.getLogger("tinker_server")
 
@@ -38,7 +40,7 @@ class Future:
     category: str = ""  # user | server
     #: What the request is (the job kind), whose (session, model) and when it was accepted, started and finished
     #: (``time.monotonic``): for the metrics and the step log.
-    kind: str = ""
+    kind: JobKind | None = None
     session: str = ""
     model_id: str = ""
     created: float = 0.0
@@ -120,7 +122,7 @@ class FutureStore:
         with self._cond:
             return None if self._failed_with is None else self._failed_with[0]
 
-    def describe(self, request_id: str, kind: str, model_id: str) -> None:
+    def describe(self, request_id: str, kind: JobKind, model_id: str) -> None:
         """Say what a pending future is for (the scheduler does, as it queues its job)."""
         with self._cond:
             future = self._futures.get(request_id)
@@ -241,7 +243,7 @@ class FutureStore:
             self._async_waiters.setdefault(request_id, []).append((loop, event))
         try:
             await asyncio.wait_for(event.wait(), timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
         finally:
             with self._cond:
@@ -259,7 +261,7 @@ class Job:
     """One unit of work for the executor."""
 
     request_id: str
-    kind: str
+    kind: JobKind
     model_id: str
     payload: Any = None
     #: The session whose turn this job takes (``Scheduler``'s round-robin).
@@ -270,7 +272,9 @@ class Job:
 class _ModelSequence:
     next_seq: int
     session: str = ""
-    waiting: dict[int, Job] = field(default_factory=dict)
+    #: seq_id -> its job, held back behind an earlier seq_id (None: a request rejected before it ran, which only
+    #: fills its slot).
+    waiting: dict[int, Job | None] = field(default_factory=dict)
     seen: dict[int, str] = field(default_factory=dict)  # seq_id -> request_id, for retries
 
 
@@ -339,7 +343,7 @@ class Scheduler:
             self._used[job.session] = max(self._used.get(job.session, 0.0), self._virtual)
         queue.append(job)
 
-    def submit(self, kind: str, model_id: str, payload: Any = None, internal: bool = False,
+    def submit(self, kind: JobKind, model_id: str, payload: Any = None, internal: bool = False,
                session: str | None = None) -> str:
         """Queue a job that is not part of a model's sequence (model creation, unloading, sampling) in ``session``'s
         turns (default: its model's session); FutureStoreFull (nothing queued) when the session or the store is full,
@@ -353,7 +357,7 @@ class Scheduler:
             self._lock.notify_all()
         return future.request_id
 
-    def submit_sequenced(self, model_id: str, seq_id: int, kind: str, payload: Any = None,
+    def submit_sequenced(self, model_id: str, seq_id: int, kind: JobKind, payload: Any = None,
                          rejection: str | None = None) -> str:
         """Queue a job at ``seq_id`` in its model's order and return its future id.
 
@@ -375,14 +379,13 @@ class Scheduler:
             sequence.seen[seq_id] = future.request_id
             if rejection is not None:
                 self.futures.fail(future.request_id, rejection, "user")
-                job = Job(future.request_id, "noop", model_id, session=sequence.session)
+                sequence.waiting[seq_id] = None
             else:
-                job = Job(future.request_id, kind, model_id, payload, sequence.session)
-            sequence.waiting[seq_id] = job
+                sequence.waiting[seq_id] = Job(future.request_id, kind, model_id, payload, sequence.session)
             while sequence.next_seq in sequence.waiting:
                 ready = sequence.waiting.pop(sequence.next_seq)
                 sequence.next_seq += 1
-                if ready.kind != "noop":
+                if ready is not None:
                     self._release(ready)
             self._lock.notify_all()
             return future.request_id
@@ -431,7 +434,7 @@ class Scheduler:
         self.futures.mark_started([job.request_id])
         return job
 
-    def take_consecutive(self, kind: str, limit: int) -> list[Job]:
+    def take_consecutive(self, kind: JobKind, limit: int) -> list[Job]:
         """Up to ``limit`` more jobs of ``kind`` to run with the one just taken (e.g. concurrent sampling requests as
         one batch), without waiting: first those that follow it in its session, then the first ones of the other
         sessions in round-robin order (those sessions have had their turn then). Each session's order is kept."""
@@ -459,13 +462,13 @@ class Scheduler:
         held back behind a ``seq_id``) with ``message`` as a user error; the model ids closed. A job already
         running finishes."""
         with self._lock:
-            jobs = list(self._queues.pop(session, ()))
+            jobs: list[Job | None] = list(self._queues.pop(session, ()))
             self._used.pop(session, None)
             closed = [model_id for model_id, sequence in self._models.items() if sequence.session == session]
             for model_id in closed:
                 jobs.extend(self._models.pop(model_id).waiting.values())
         for job in jobs:
-            if job.kind != "noop":
+            if job is not None:
                 self.futures.fail(job.request_id, message, "user")
         return closed
 
@@ -474,7 +477,7 @@ class Scheduler:
         with self._lock:
             depths = {session: len(queue) for session, queue in self._queues.items()}
             for sequence in self._models.values():
-                held = sum(1 for job in sequence.waiting.values() if job.kind != "noop")
+                held = sum(1 for job in sequence.waiting.values() if job is not None)
                 if held:
                     depths[sequence.session] = depths.get(sequence.session, 0) + held
             return depths
@@ -495,7 +498,7 @@ class Scheduler:
                               if t != turn]
                     return QueuePosition("queued", index, sum(others), sum(1 for n in others if n))
             for sequence in self._models.values():
-                if any(job.request_id == request_id for job in sequence.waiting.values()):
+                if any(job is not None and job.request_id == request_id for job in sequence.waiting.values()):
                     return QueuePosition("held")
         return None
 

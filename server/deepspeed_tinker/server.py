@@ -19,81 +19,30 @@ import os
 import signal
 import time
 import warnings
-from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from local_ranks.ranks import disable_cpu_shm_allreduce
-from .api import DEFAULT_SESSION_TIMEOUT_S, ApiSettings, TinkerApi
+
+from .api import ApiSettings, TinkerApi
 from .byte_tokenizer import write_byte_tokenizer
-from .faults import (DEFAULT_DRAIN_S, DEFAULT_PEER_TIMEOUT_S, EXIT_RANK_FAILED, HEARTBEAT_S, FaultDrain, PeerWatch,
-                     heartbeat)
-from .http_app import DEFAULT_MAX_BODY_BYTES, HttpServer, HttpSettings, build_app
+from .commands import COMMANDS, Recorder, run_command
+from .config import ServerConfig
+from .faults import EXIT_RANK_FAILED, HEARTBEAT_S, FaultDrain, PeerWatch, heartbeat
+from .http_app import HttpServer, HttpSettings, build_app
+from .jobs import JobKind
 from .keys import check_host, load_api_keys, startup_line
 from .metrics import start_memory_reporter
 from .model import register_local_model
-from .sampler import DEFAULT_SNAPSHOT_BYTES, MAX_SNAPSHOTS
-from .scheduler import (DEFAULT_FUTURE_TTL_S, DEFAULT_MAX_FUTURES, DEFAULT_RETRIEVED_GRACE_S, FutureStore, Job,
-                        Scheduler)
+from .scheduler import FutureStore, Job, Scheduler
 from .threads import intra_op_threads
 from .wire import UserError
-from .worker import Worker, merge
+from .worker import Worker
 
 log = logging.getLogger("tinker_server")
-
-
-@dataclass(frozen=True)
-class RankOptions:
-    port: int
-    zero_stage: int
-    checkpoint_root: Path
-    ready_file: Path | None
-    max_chunk_datums: int
-    compress_fwdbwd: bool
-    long_poll_s: float
-    #: Local Hugging Face model directories to serve besides the built-in byte-level models (``PATH`` or
-    #: ``NAME=PATH``).
-    base_models: tuple[str, ...] = ()
-    #: Interface rank 0's HTTP server binds (loopback unless told otherwise).
-    host: str = "127.0.0.1"
-    #: ``auto`` (CUDA when there are GPUs), ``cuda`` or ``cpu``.
-    device: str = "auto"
-    #: ``fp32`` or ``bf16`` (DeepSpeed's bf16 mode; the samplers' copies in bf16 too).
-    dtype: str = "fp32"
-    #: Recompute each decoder layer's activations in backward (``--gradient-checkpointing``).
-    gradient_checkpointing: bool = False
-    #: Keep only each training run's K newest training and K newest sampler checkpoints (``--keep-checkpoints``).
-    keep_checkpoints: int | None = None
-    #: Request bodies over this many bytes get 413 (``--max-body-bytes``).
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
-    #: One log line per HTTP request (``--no-access-log`` turns it off).
-    access_log: bool = True
-    #: After a rank dies or a collective fails: how long rank 0 answers every request with the error before it
-    #: exits with ``EXIT_RANK_FAILED`` (``--fault-drain-s``).
-    fault_drain_s: float = DEFAULT_DRAIN_S
-    #: A rank silent this long counts as dead (``--peer-timeout-s``); a rank that exits is seen at once.
-    peer_timeout_s: float = DEFAULT_PEER_TIMEOUT_S
-    #: Unnamed sampler snapshots each rank keeps, at most, and their bytes at most (the newest is always kept).
-    sampler_snapshots: int = MAX_SNAPSHOTS
-    sampler_snapshot_bytes: int = DEFAULT_SNAPSHOT_BYTES
-    #: The API keys to accept, one per line (``--api-keys-file``; ``$DEEPSPEED_TINKER_API_KEYS`` adds more).
-    api_keys_file: Path | None = None
-    #: Futures held at most (pending + finished and kept); past it new work gets 429 (``--max-futures``).
-    max_futures: int = DEFAULT_MAX_FUTURES
-    #: Futures one session holds at most (``--max-futures-per-session``; None: a quarter of ``max_futures``).
-    max_futures_per_session: int | None = None
-    #: How long a finished result nobody retrieves is kept (``--future-ttl-s``).
-    future_ttl_s: float = DEFAULT_FUTURE_TTL_S
-    #: How long a retrieved result is kept, for the SDK's retries (``--retrieved-grace-s``).
-    retrieved_grace_s: float = DEFAULT_RETRIEVED_GRACE_S
-    #: torch intra-op threads per rank (``--threads-per-rank``); None: the rank's share of the cores (``threads``).
-    threads_per_rank: int | None = None
-    #: A session without a heartbeat or request for this long is closed (``--session-timeout-s``; 0: never).
-    session_timeout_s: float = DEFAULT_SESSION_TIMEOUT_S
 
 
 def versions_line() -> str:
@@ -105,10 +54,10 @@ def versions_line() -> str:
     return f"torch {torch.__version__} | deepspeed {version} | series {series}"
 
 
-def _run_safely(worker: Worker, kind: str, model_id: str, payload: Any) -> tuple[str, Any]:
+def _run_safely(worker: Worker, kind: JobKind, model_id: str, payload: Any) -> tuple[str, Any]:
     """This rank's part, or the error; never raises, so a failure cannot strand the other ranks."""
     try:
-        return "ok", worker.run(kind, model_id, payload)
+        return "ok", run_command(worker, kind, model_id, payload)
     except UserError as e:
         return "user", str(e)
     except Exception as e:
@@ -116,7 +65,7 @@ def _run_safely(worker: Worker, kind: str, model_id: str, payload: Any) -> tuple
         return "server", f"{type(e).__name__}: {e}"
 
 
-def _on_every_rank(worker: Worker, command: tuple[str, str, Any]) -> list[Any]:
+def _on_every_rank(worker: Worker, command: tuple[JobKind, str, Any]) -> list[Any]:
     """Broadcast a command, run this rank's part, and gather every rank's (status, part); raises if a collective
     does (a rank died, or the group is otherwise broken)."""
     if worker.world_size == 1:  # nobody to tell or hear from: the collectives' round trips are a step's overhead
@@ -142,10 +91,10 @@ def _collective_failed(jobs: list[Job], error: Exception, futures: FutureStore, 
     drain.trip(message)
 
 
-def _execute(worker: Worker, job: Job, futures: FutureStore, drain: FaultDrain,
-             record: Callable[[Job], None]) -> bool:
-    """Run a job on every rank; whether every rank succeeded. ``record`` runs before the future resolves (a
-    checkpoint is in the store before its save is acknowledged)."""
+def _execute(worker: Worker, job: Job, futures: FutureStore, drain: FaultDrain, recorder: Recorder) -> bool:
+    """Run a job on every rank; whether every rank succeeded. What its command records is recorded before the future
+    resolves (a checkpoint is in the store before its save is acknowledged)."""
+    command = COMMANDS[job.kind]
     try:
         parts = _on_every_rank(worker, (job.kind, job.model_id, job.payload))
     except Exception as e:
@@ -155,12 +104,14 @@ def _execute(worker: Worker, job: Job, futures: FutureStore, drain: FaultDrain,
     if failures:
         futures.fail(job.request_id, failures[0][1], failures[0][0])
         return False
-    return _record_and_resolve(job, merge(job.kind, [part[1] for part in parts]), futures, record)
+    return _record_and_resolve(job, command.merge([part[1] for part in parts]), futures, recorder)
 
 
-def _record_and_resolve(job: Job, result: Any, futures: FutureStore, record: Callable[[Job], None]) -> bool:
+def _record_and_resolve(job: Job, result: Any, futures: FutureStore, recorder: Recorder) -> bool:
+    record = COMMANDS[job.kind].record
     try:
-        record(job)
+        if record is not None:
+            record(recorder, job.payload)
     except Exception as e:
         log.exception("rank 0: recording %s for %s", job.kind, job.model_id)
         futures.fail(job.request_id, f"the server could not record the result: {type(e).__name__}: {e}", "server")
@@ -169,16 +120,14 @@ def _record_and_resolve(job: Job, result: Any, futures: FutureStore, record: Cal
     return True
 
 
-#: Most sampling requests batched into one command.
-MAX_SAMPLE_BATCH = 32
-
-
-def _execute_samples(worker: Worker, jobs: list[Job], futures: FutureStore, drain: FaultDrain,
-                     record: Callable[[Job], None]) -> list[bool]:
-    """Concurrent sampling requests (consecutive in the queue) as one command on every rank, so they decode as one
-    batch (``SamplerPool.sample_many``); each future gets its own result or its own user error."""
+def _execute_batch(worker: Worker, jobs: list[Job], futures: FutureStore, drain: FaultDrain,
+                   recorder: Recorder) -> list[bool]:
+    """Consecutive jobs of a kind that batches (concurrent sampling requests) as one command of its ``batch_kind`` on
+    every rank, so they run as one batch (``SamplerPool.sample_many``); each future gets its own result or its own
+    user error."""
+    batch_kind = COMMANDS[jobs[0].kind].batch_kind
     try:
-        parts = _on_every_rank(worker, ("sample_many", "", [job.payload for job in jobs]))
+        parts = _on_every_rank(worker, (batch_kind, "", tuple(job.payload for job in jobs)))
     except Exception as e:
         _collective_failed(jobs, e, futures, drain)
         return [False] * len(jobs)
@@ -188,59 +137,57 @@ def _execute_samples(worker: Worker, jobs: list[Job], futures: FutureStore, drai
             futures.fail(job.request_id, failures[0][1], failures[0][0])
         return [False] * len(jobs)
     done = []
-    for job, (status, value) in zip(jobs, merge("sample_many", [part[1] for part in parts])):
+    for job, (status, value) in zip(jobs, COMMANDS[batch_kind].merge([part[1] for part in parts])):
         if status == "ok":
-            done.append(_record_and_resolve(job, value, futures, record))
+            done.append(_record_and_resolve(job, value, futures, recorder))
         else:
             futures.fail(job.request_id, value, status)
             done.append(False)
     return done
 
 
-def _drive(worker: Worker, options: RankOptions, watch: PeerWatch | None) -> None:
+def _drive(worker: Worker, config: ServerConfig, watch: PeerWatch | None) -> None:
     """Rank 0: serve HTTP, execute jobs in order until SIGTERM/SIGINT, then stop the followers.
 
     After a fault (``watch`` finds a rank dead, or a collective raises) it never returns: the drain fails every
     request for ``fault_drain_s`` and exits the process (``faults.FaultDrain``)."""
-    futures = FutureStore(options.max_futures, options.future_ttl_s, options.max_futures_per_session,
-                          options.retrieved_grace_s)
+    futures = FutureStore(config.max_futures, config.future_ttl_s, config.max_futures_per_session,
+                          config.retrieved_grace_s)
     scheduler = Scheduler(futures)
-    tokenizer_dir = write_byte_tokenizer(options.checkpoint_root / "tokenizers" / "byte-level")
-    api = TinkerApi(scheduler, ApiSettings(options.checkpoint_root, options.max_chunk_datums, options.compress_fwdbwd,
-                                           options.long_poll_s, tokenizer_dir.resolve(),
-                                           keep_checkpoints=options.keep_checkpoints,
-                                           session_timeout_s=options.session_timeout_s))
-    keys = load_api_keys(options.api_keys_file)
-    check_host(options.host, keys)
-    http_settings = HttpSettings(max_body_bytes=options.max_body_bytes, access_log=options.access_log, api_keys=keys)
-    http = HttpServer(build_app(api, http_settings), options.host, options.port, http_settings).start()
+    tokenizer_dir = write_byte_tokenizer(config.checkpoint_root / "tokenizers" / "byte-level")
+    api = TinkerApi(scheduler, ApiSettings(config.checkpoint_root, config.max_chunk_datums, config.compress_fwdbwd,
+                                           config.long_poll_s, tokenizer_dir.resolve(),
+                                           keep_checkpoints=config.keep_checkpoints,
+                                           session_timeout_s=config.session_timeout_s))
+    keys = load_api_keys(config.api_keys_file)
+    check_host(config.host, keys)
+    http_settings = HttpSettings(max_body_bytes=config.max_body_bytes, access_log=config.access_log, api_keys=keys)
+    http = HttpServer(build_app(api, http_settings), config.host, config.port, http_settings).start()
 
     def after_fault() -> None:
         http.shutdown()
         api.store.close()
 
-    drain = FaultDrain(futures.fail_all, scheduler.stop, options.fault_drain_s, after_fault)
+    drain = FaultDrain(futures.fail_all, scheduler.stop, config.fault_drain_s, after_fault)
     if watch is not None:
         watch.start(drain.trip)
 
-    def record(job: Job) -> None:
-        api.job_finished(job.kind, job.model_id, job.payload, True)
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: scheduler.stop())
-    host = "127.0.0.1" if options.host in ("", "0.0.0.0") else options.host
+    host = "127.0.0.1" if config.host in ("", "0.0.0.0") else config.host
     base_url = f"http://{host}:{http.port}"
     print(f"[tinker-server] {versions_line()}", flush=True)
     print(f"[tinker-server] {worker.world_size} ranks on {worker.device.type}, ZeRO stage {worker.zero_stage}, "
           f"{worker.dtype}{', gradient checkpointing' if worker.gradient_checkpointing else ''}, "
           f"serving {base_url} (pid {os.getpid()})", flush=True)
-    print(f"[tinker-server] {startup_line(options.host, keys)}", flush=True)
-    print(f"[tinker-server] if a rank dies (or is silent {options.peer_timeout_s:g} s) or a collective fails: every "
-          f"request fails with a server error for {options.fault_drain_s:g} s, then exit code {EXIT_RANK_FAILED}",
+    print(f"[tinker-server] {startup_line(config.host, keys)}", flush=True)
+    print(f"[tinker-server] if a rank dies (or is silent {config.peer_timeout_s:g} s) or a collective fails: every "
+          f"request fails with a server error for {config.fault_drain_s:g} s, then exit code {EXIT_RANK_FAILED}",
           flush=True)
-    if options.ready_file is not None:
-        tmp = options.ready_file.with_suffix(".tmp")
+    if config.ready_file is not None:
+        tmp = config.ready_file.with_suffix(".tmp")
         tmp.write_text(json.dumps({"base_url": base_url, "pid": os.getpid()}))
-        tmp.replace(options.ready_file)
+        tmp.replace(config.ready_file)
     try:
         api.reap_expired(every_s=0)  # what expired while the server was down
         api.prune_checkpoints()  # a run's older checkpoints, should --keep-checkpoints be lower than before
@@ -249,19 +196,19 @@ def _drive(worker: Worker, options: RankOptions, watch: PeerWatch | None) -> Non
             job = scheduler.next_job(timeout=1.0)
             if job is None or drain.tripped:
                 continue
-            if job.kind == "save_weights":
+            command = COMMANDS[job.kind]
+            if command.prepare is not None:
                 try:
-                    worker.prepare_save(job.model_id, job.payload)
+                    command.prepare(worker, api, job.model_id, job.payload)
                 except UserError as e:
                     futures.fail(job.request_id, str(e), "user")
                     continue
-                api.store.forget(job.payload["checkpoint"]["run_id"], job.payload["checkpoint"]["checkpoint_id"])
-            if job.kind == "sample":
-                batch = [job, *scheduler.take_consecutive("sample", MAX_SAMPLE_BATCH - 1)]
+            if command.batch_kind is not None:
+                batch = [job, *scheduler.take_consecutive(job.kind, command.batch_limit - 1)]
                 if len(batch) > 1:
-                    _execute_samples(worker, batch, futures, drain, record)
+                    _execute_batch(worker, batch, futures, drain, api)
                     continue
-            _execute(worker, job, futures, drain, record)
+            _execute(worker, job, futures, drain, api)
     finally:
         if drain.tripped:
             drain.wait()  # no collective with a broken group: the drain thread exits the process
@@ -319,15 +266,15 @@ def _watch_ranks(timeout_s: float) -> PeerWatch | None:
     return None
 
 
-def run_rank(options: RankOptions) -> int:
+def run_rank(config: ServerConfig) -> int:
     """Entry point of one rank process; the launcher sets RANK, WORLD_SIZE, LOCAL_RANK and MASTER_* ."""
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     warnings.filterwarnings("ignore", category=FutureWarning)  # libraries' deprecation notices, not ours
-    backend, device = backend_and_device(options.device)
-    threads, why = intra_op_threads(options.threads_per_rank)
+    backend, device = backend_and_device(config.device)
+    threads, why = intra_op_threads(config.threads_per_rank)
     torch.set_num_threads(threads)
     print(f"[tinker-server] rank {os.environ.get('RANK', '0')}: {threads} intra-op thread(s) ({why})", flush=True)
-    for path in options.base_models:
+    for path in config.base_models:
         register_local_model(path)
     # Ranks > 0 wait in a broadcast while the server is idle: give that wait a day, not 30 minutes.
     dist.init_process_group(backend, timeout=timedelta(days=1))
@@ -337,15 +284,15 @@ def run_rank(options: RankOptions) -> int:
     ds_logger.setLevel(logging.WARNING)
     disable_cpu_shm_allreduce()
     deepspeed.init_distributed(dist_backend=backend)
-    watch = _watch_ranks(options.peer_timeout_s)
-    rank, world, limits = dist.get_rank(), dist.get_world_size(), (options.sampler_snapshots,
-                                                                   options.sampler_snapshot_bytes)
-    worker = Worker(rank, world, options.zero_stage, device, dtype=options.dtype, snapshots=limits,
-                    gradient_checkpointing=options.gradient_checkpointing)
+    watch = _watch_ranks(config.peer_timeout_s)
+    rank, world, limits = dist.get_rank(), dist.get_world_size(), (config.sampler_snapshots,
+                                                                   config.sampler_snapshot_bytes)
+    worker = Worker(rank, world, config.zero_stage, device, dtype=config.dtype, snapshots=limits,
+                    gradient_checkpointing=config.gradient_checkpointing)
     start_memory_reporter(worker)  # for rank 0's /metrics
     try:
         if worker.rank == 0:
-            _drive(worker, options, watch)
+            _drive(worker, config, watch)
         else:
             _follow(worker)
     finally:

@@ -1,6 +1,7 @@
 """The DeepSpeed side: one engine per training model, on every rank, in unmanaged mode.
 
-Every rank runs every command in the same order (rank 0 broadcasts them), so collectives line up.
+Every rank runs every command in the same order (rank 0 broadcasts them, ``commands`` maps each kind to a method
+here), so collectives line up.
 A ``forward_backward`` request is split into contiguous shares of its datums, one per rank, and
 ends in exactly one ``engine.backward(loss_sum, scale_wrt_gas=False)`` per rank; an
 ``optim_step`` is one ``engine.step()`` whose gradient is the plain SUM over ranks and requests.
@@ -23,11 +24,19 @@ import numpy as np
 import torch
 
 from .checkpoint_files import copy_tokenizer, encrypt_files, fsync_path, fsync_tree, write_weights
+from .jobs import AdamParams, LoadWeights, SaveExternal, SaveSampler, SaveWeights
 from .losses import LossInputs, elementwise_loss
 from .metrics import release_free_memory
-from .model import (BASE_MODELS, DTYPES, build_base, build_model, enable_gradient_checkpointing, token_logprobs,
-                    zero3_construction)
-from .sampler import SAMPLER_META_FILE, SamplerPool, capture_weights, merge_samples
+from .model import (
+    BASE_MODELS,
+    DTYPES,
+    build_base,
+    build_model,
+    enable_gradient_checkpointing,
+    token_logprobs,
+    zero3_construction,
+)
+from .sampler import SAMPLER_META_FILE, SamplerPool, capture_weights
 from .sampling import SampleJob
 from .wire import Datum, FwdBwdRequest, UserError
 
@@ -64,20 +73,20 @@ def sum_over_ranks(engine: Any) -> tuple[float, dict[str, float]]:
     return float(engine.dp_world_size), {}
 
 
-def apply_step_hyperparameters(engine: Any, adam: dict[str, float]) -> None:
+def apply_step_hyperparameters(engine: Any, adam: AdamParams) -> None:
     """Set this step's AdamW hyper-parameters and clip norm (tinker sends them with every step).
 
     DeepSpeed reads the clip norm from its config at step time without ZeRO, and from the ZeRO
     optimizer's ``clip_grad`` with it; both are set.
     """
     for group in engine.optimizer.param_groups:
-        group["lr"] = adam["learning_rate"]
-        group["betas"] = (adam["beta1"], adam["beta2"])
-        group["eps"] = adam["eps"]
-        group["weight_decay"] = adam["weight_decay"]
-    engine._config.gradient_clipping = adam["grad_clip_norm"]
+        group["lr"] = adam.learning_rate
+        group["betas"] = (adam.beta1, adam.beta2)
+        group["eps"] = adam.eps
+        group["weight_decay"] = adam.weight_decay
+    engine._config.gradient_clipping = adam.grad_clip_norm
     if hasattr(engine.optimizer, "clip_grad"):
-        engine.optimizer.clip_grad = adam["grad_clip_norm"]
+        engine.optimizer.clip_grad = adam.grad_clip_norm
 
 
 def share(n: int, rank: int, world_size: int) -> range:
@@ -155,7 +164,8 @@ class TrainingModel:
 
 
 class Worker:
-    """Executes commands on this rank; returns this rank's part of the result."""
+    """This rank's engines and samplers; each method is this rank's part of one command (``commands.COMMANDS``
+    says which kind runs which)."""
 
     def __init__(self, rank: int, world_size: int, zero_stage: int, device: torch.device | None = None,
                  dtype: str = "fp32", gradient_checkpointing: bool = False,
@@ -176,60 +186,38 @@ class Worker:
         #: ``release_resources`` of a ``StorageImpl``).
         self.lock = threading.Lock()
 
-    def run(self, kind: str, model_id: str, payload: Any) -> Any:
-        with self.lock:
-            return self._run(kind, model_id, payload)
-
-    def _run(self, kind: str, model_id: str, payload: Any) -> Any:
-        if kind == "create":
-            return self._create(model_id, payload)
-        if kind == "sample":
-            return self._sample(payload)
-        if kind == "sample_many":  # concurrent sampling requests, batched (server._execute_samples)
-            return self.samplers.sample_many(payload, [share(j.num_samples, self.rank, self.world_size)
-                                                       for j in payload], self.rank == 0)
-        if kind == "unload":
-            gone = self.models.pop(model_id, None)
-            if gone is not None:
-                # Removes the optimizer's gradient hooks (held by autograd, out of the garbage collector's sight),
-                # which otherwise keep the engine and all its tensors alive.
-                gone.engine.destroy()
-                self.samplers.drop(gone.snapshot_ids)
-            if gone is not None and not any(m.base_model == gone.base_model and m.lora is not None
-                                            for m in self.models.values()):
-                self.bases.pop(gone.base_model, None)  # its last LoRA client is gone
-            gc.collect()
-            release_free_memory()
-            return {}
-        if model_id not in self.models:
+    def model(self, model_id: str) -> TrainingModel:
+        model = self.models.get(model_id)
+        if model is None:
             raise RuntimeError(f"model {model_id} is not loaded on rank {self.rank}")
-        model = self.models[model_id]
-        if kind in ("forward_backward", "forward"):
-            return self._forward_backward(model, payload)
-        if kind == "optim_step":
-            return self._optim_step(model, payload)
-        if kind == "save_weights":
-            return self._save(model, payload)
-        if kind == "load_weights":
-            return self._load(model, payload)
-        if kind == "save_sampler":
-            return self._save_sampler(model, payload)
-        if kind == "save_external":
-            return self._save_external(model, payload)
-        raise RuntimeError(f"unknown command {kind!r}")
+        return model
 
-    def prepare_save(self, model_id: str, job: dict[str, Any]) -> None:
+    def unload(self, model_id: str) -> dict[str, Any]:
+        gone = self.models.pop(model_id, None)
+        if gone is not None:
+            # Removes the optimizer's gradient hooks (held by autograd, out of the garbage collector's sight), which
+            # otherwise keep the engine and all its tensors alive.
+            gone.engine.destroy()
+            self.samplers.drop(gone.snapshot_ids)
+        if gone is not None and not any(m.base_model == gone.base_model and m.lora is not None
+                                        for m in self.models.values()):
+            self.bases.pop(gone.base_model, None)  # its last LoRA client is gone
+        gc.collect()
+        release_free_memory()
+        return {}
+
+    def prepare_save(self, model_id: str, job: SaveWeights) -> None:
         """Rank 0, before broadcasting a save: refuse early, and never clobber a checkpoint unasked."""
         if model_id in self.models:
             self._refuse_pending(self.models[model_id], "save_weights")
-        directory = Path(job["dir"])
+        directory = Path(job.dir)
         if directory.exists():
-            if not job["overwrite"]:
-                raise UserError(f"checkpoint {job['path']} exists (pass overwrite=True to replace it)")
+            if not job.overwrite:
+                raise UserError(f"checkpoint {job.path} exists (pass overwrite=True to replace it)")
             shutil.rmtree(directory)
         directory.mkdir(parents=True)
 
-    def _create(self, model_id: str, record: Any) -> dict[str, Any]:
+    def create(self, model_id: str, record: Any) -> dict[str, Any]:
         import deepspeed
 
         config = ds_config(self.zero_stage, self.dtype)
@@ -262,7 +250,8 @@ class Worker:
             base.requires_grad_(False)
         return build_model(record.base_model, record.lora, dtype, base=base)
 
-    def _forward_backward(self, model: TrainingModel, request: FwdBwdRequest) -> list[tuple[np.ndarray, np.ndarray]]:
+    def forward_backward(self, model_id: str, request: FwdBwdRequest) -> list[tuple[np.ndarray, np.ndarray]]:
+        model = self.model(model_id)
         mine = [request.data[i] for i in share(len(request.data), self.rank, self.world_size)]
         tokens, inputs = pad_inputs(mine)
         tokens, inputs = tokens.to(self.device), _to(inputs, self.device)
@@ -278,7 +267,8 @@ class Worker:
         logprobs, losses = logprobs.detach().float().cpu(), losses.detach().float().cpu()
         return [(unpad(logprobs, d, i), unpad(losses, d, i)) for i, d in enumerate(mine)]
 
-    def _optim_step(self, model: TrainingModel, adam: dict[str, float]) -> dict[str, Any]:
+    def optim_step(self, model_id: str, adam: AdamParams) -> dict[str, Any]:
+        model = self.model(model_id)
         if model.requests == 0:  # same count on every rank, so every rank refuses together
             raise UserError("optim_step without a forward_backward since the previous optim_step: "
                             "no gradient to apply")
@@ -299,71 +289,78 @@ class Worker:
             raise UserError(f"{what} with {model.requests} forward_backward request(s) since the last optim_step "
                             "would drop their gradients: call optim_step first")
 
-    def _save(self, model: TrainingModel, job: dict[str, Any]) -> dict[str, Any]:
+    def save_weights(self, model_id: str, job: SaveWeights) -> dict[str, Any]:
         """DeepSpeed's checkpoint (the state to resume from: optimizer, step count) under ``state/``, and the
         weights as safetensors (``checkpoint_files``) beside it."""
+        model = self.model(model_id)
         self._refuse_pending(model, "save_weights")
-        directory = Path(job["dir"])
+        directory = Path(job.dir)
         engine = model.engine
         engine.save_checkpoint(str(directory), tag=CHECKPOINT_TAG, client_state={"tinker_steps": model.steps})
         weights = capture_weights(engine, self.zero_stage, trainable_only=model.lora is not None)
         if self.rank == 0:
-            write_weights(directory, engine.module, weights, job["meta"]["base_model"])
+            write_weights(directory, engine.module, weights, job.meta.base_model)
             fsync_tree(directory)
             # written last: its presence marks a complete checkpoint
-            meta = dict(job["meta"], zero_stage=self.zero_stage, world_size=self.world_size, steps=model.steps)
+            meta = dict(job.meta.to_json(), zero_stage=self.zero_stage, world_size=self.world_size, steps=model.steps)
             (directory / META_FILE).write_text(json.dumps(meta, indent=1))
         # Durable before rank 0 records it and acknowledges the save: every rank's DeepSpeed files are on disk.
         fsync_tree(directory)
-        return {"path": job["path"], "type": "save_weights"}
+        return {"path": job.path, "type": "save_weights"}
 
-    def _load(self, model: TrainingModel, job: dict[str, Any]) -> dict[str, Any]:
+    def load_weights(self, model_id: str, job: LoadWeights) -> dict[str, Any]:
+        model = self.model(model_id)
         self._refuse_pending(model, "load_weights")
         engine = model.engine
-        _, client_state = engine.load_checkpoint(job["dir"], tag=CHECKPOINT_TAG,
-                                                 load_optimizer_states=job["optimizer"],
-                                                 load_lr_scheduler_states=False,
-                                                 load_module_only=not job["optimizer"])
-        if job["optimizer"] and client_state:
+        _, client_state = engine.load_checkpoint(job.dir, tag=CHECKPOINT_TAG, load_optimizer_states=job.optimizer,
+                                                 load_lr_scheduler_states=False, load_module_only=not job.optimizer)
+        if job.optimizer and client_state:
             model.steps = int(client_state.get("tinker_steps", 0))
         model.version += 1
-        return {"path": job["path"], "type": "load_weights"}
+        return {"path": job.path, "type": "load_weights"}
 
-    def _save_sampler(self, model: TrainingModel, job: dict[str, Any]) -> dict[str, Any]:
+    def save_sampler(self, model_id: str, job: SaveSampler) -> dict[str, Any]:
         """Snapshot the current weights for sampling (a collective under ZeRO-3); rank 0 writes a named one.
 
         Weights unchanged since this model's last snapshot (no optim_step or load between) are not gathered again:
         the new snapshot shares the last one's tensors. The version is the same on every rank (it depends on the
         commands alone, not on what a rank's sampler pool still holds), so every rank skips the collective together."""
+        model = self.model(model_id)
         if model.last_snapshot is not None and model.last_snapshot[0] == model.version:
             weights = model.last_snapshot[1]
         else:
             weights = capture_weights(model.engine, self.zero_stage, trainable_only=model.lora is not None)
-        self.samplers.keep(job["snapshot_id"], weights)
+        self.samplers.keep(job.snapshot_id, weights)
         model.last_snapshot = (model.version, weights)
-        if not job.get("dir"):
-            model.snapshot_ids.add(job["snapshot_id"])
-        if job.get("dir") and self.rank == 0:
-            with replacing(Path(job["dir"])) as directory:
-                write_weights(directory, model.engine.module, weights, job["meta"]["base_model"])
-                (directory / SAMPLER_META_FILE).write_text(json.dumps(job["meta"], indent=1))
-        return job["reply"]
+        if job.dir is None:
+            model.snapshot_ids.add(job.snapshot_id)
+        elif self.rank == 0:
+            with replacing(Path(job.dir)) as directory:
+                write_weights(directory, model.engine.module, weights, job.meta.base_model)
+                (directory / SAMPLER_META_FILE).write_text(json.dumps(job.meta.to_json(), indent=1))
+        return job.reply
 
-    def _save_external(self, model: TrainingModel, job: dict[str, Any]) -> dict[str, Any]:
+    def save_external(self, model_id: str, job: SaveExternal) -> dict[str, Any]:
         """The weights in Hugging Face formats for download: a PEFT adapter, or a model directory with its
         tokenizer; each file age-encrypted to ``<name>.age`` when the client sent recipients."""
+        model = self.model(model_id)
         weights = capture_weights(model.engine, self.zero_stage, trainable_only=model.lora is not None)
         if self.rank == 0:
-            with replacing(Path(job["dir"])) as directory:
-                write_weights(directory, model.engine.module, weights, job["served_name"])
+            with replacing(Path(job.dir)) as directory:
+                write_weights(directory, model.engine.module, weights, job.served_name)
                 if model.lora is None:
-                    copy_tokenizer(Path(job["tokenizer_dir"]) if job["tokenizer_dir"] else None, directory)
-                if job["recipients"]:
-                    encrypt_files(directory, job["recipients"])
-        return job["reply"]
+                    copy_tokenizer(Path(job.tokenizer_dir) if job.tokenizer_dir else None, directory)
+                if job.recipients:
+                    encrypt_files(directory, list(job.recipients))
+        return job.reply
 
-    def _sample(self, job: SampleJob) -> dict[str, Any]:
+    def sample(self, job: SampleJob) -> dict[str, Any]:
         return self.samplers.sample(job, share(job.num_samples, self.rank, self.world_size), self.rank == 0)
+
+    def sample_many(self, jobs: tuple[SampleJob, ...]) -> list[tuple[str, Any]]:
+        """Concurrent sampling requests decoded as one batch; per job ``("ok", part)`` or a user error."""
+        return self.samplers.sample_many(list(jobs), [share(j.num_samples, self.rank, self.world_size) for j in jobs],
+                                         self.rank == 0)
 
 
 @contextlib.contextmanager
@@ -381,21 +378,3 @@ def replacing(directory: Path) -> Iterator[Path]:
     shutil.rmtree(directory, ignore_errors=True)
     staging.rename(directory)
     fsync_path(directory.parent)
-
-
-def merge(kind: str, parts: list[Any]) -> Any:
-    """Rank 0: one result from every rank's part (datum and sample shares concatenate in rank order)."""
-    if kind == "sample":
-        return merge_samples(parts)
-    if kind == "sample_many":  # per job: ("ok", SampleResult) or the first rank's ("user", message)
-        merged = []
-        for per_job in zip(*parts):
-            failed = next((status for status in per_job if status[0] != "ok"), None)
-            merged.append(failed or ("ok", merge_samples([status[1] for status in per_job])))
-        return merged
-    if kind in ("forward_backward", "forward"):
-        from .wire import FwdBwdResult
-
-        pairs = [pair for part in parts for pair in part]
-        return FwdBwdResult(tuple(p[0] for p in pairs), tuple(p[1] for p in pairs))
-    return parts[0]

@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-
 import pytest
 
 # The ranks import the installed `ds_bench` package.
@@ -25,10 +24,11 @@ pytestmark = [
 
 # -- bodies run on every rank ------------------------------------------------------------------------------
 def direct_calls_body():
+    import deepspeed.comm.comm as ds_comm
     import torch
     from deepspeed import comm as dist
-    import deepspeed.comm.comm as ds_comm
     from deepspeed.comm import all_to_all_single  # imported by name, as ZeRO's coalesced collectives do
+
     from ds_bench.comm_counter import CommCounter
 
     world = dist.get_world_size()
@@ -74,6 +74,7 @@ def trial_body(mode: str):
 def comms_logger_body(stage: int):
     import deepspeed
     from deepspeed import comm as dist
+
     from ds_bench import configs
     from ds_bench.comm_counter import CommCounter
     from ds_bench.model import TINY, build_model, micro_batches

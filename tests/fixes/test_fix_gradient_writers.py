@@ -71,6 +71,7 @@ def _set_step_and_check(engine, path_name: str, head_b: dict, before: dict) -> N
     """Set head b's gradients to SET_GRAD, step, and check that the value set drove the update."""
     import torch
     from deepspeed.utils import safe_set_full_grad
+
     from ds_harness.support.training import destroy
 
     for p in head_b.values():
@@ -83,6 +84,7 @@ def _set_step_and_check(engine, path_name: str, head_b: dict, before: dict) -> N
 def _set_gradient_drives_the_update(path_name: str) -> None:
     """Step 0 uses head a only: head b gets no gradient from backward, then its gradient is set before step()."""
     from deepspeed.utils import safe_get_full_fp32_param
+
     from ds_harness.support.training import forward_loss
 
     engine = PATHS[path_name].initialize(gas=1, managed=None)
@@ -113,6 +115,7 @@ def _set_gradient_after_a_step_with_one_drives_the_update(path_name: str) -> Non
     set drives the update. With optimizer offload at ZeRO-1/2, step() clears the fp32 gradient slices an earlier
     step wrote and this one did not, and must count the value set as written in this step."""
     from deepspeed.utils import safe_get_full_fp32_param
+
     from ds_harness.support.training import forward_loss
 
     engine = PATHS[path_name].initialize(gas=1, managed=None)
@@ -142,6 +145,7 @@ def _set_gradient_replaces_the_backward_one(path_name: str) -> None:
     copies the host accumulation over the value set."""
     import torch
     from deepspeed.utils import safe_get_full_fp32_param, safe_set_full_grad
+
     from ds_harness.support.training import destroy, forward_loss
 
     # Two micro-batches: with one, the boundary backward copies straight into the fp32 partition and keeps
@@ -181,6 +185,7 @@ def _set_gradient_replaces_a_pending_one(path_name: str, managed: bool) -> None:
     gradients from the host accumulation buffers (``_finalize_offloaded_gradients``), and must not copy them over
     the value set, as ZeRO-3 and every configuration without offload keep it (and 0.19.3 in managed mode)."""
     from deepspeed.utils import safe_get_full_fp32_param
+
     from ds_harness.support.training import forward_loss
 
     engine = PATHS[path_name].initialize(gas=2 if managed else 1, managed=None if managed else False)
@@ -308,6 +313,7 @@ def _read_gradient_of_a_parameter_without_one(path_name: str) -> None:
     before step() has finished the fp32 partition, the gradient partition that step() will copy (0.19.8 reads the fp32
     partition, which holds step 0's)."""
     from deepspeed.utils import safe_get_full_grad
+
     from ds_harness.support.training import destroy, forward_loss
 
     engine = PATHS[path_name].initialize(gas=1, managed=None)
@@ -472,8 +478,9 @@ def _pytorch_grad_norms(model_fn, n: int, managed: bool = True) -> list:
     """Plain PyTorch at the initial weights: the norm of each step's gradient over the global batch (the mean loss
     of every micro-batch of every rank; unmanaged, the sum over the backward passes of their mean over the ranks),
     a parameter without a gradient counting zero."""
-    import torch
     import deepspeed.comm as ds_comm
+    import torch
+
     from ds_harness.support import training
 
     model = model_fn()
@@ -545,6 +552,7 @@ def _deepcompile_matches_pytorch(stage: int, n: int) -> None:
     its compiled reductions write the gradient partitions (copy or add, decided in the compiled graph) that step()
     consumes and fix-zero3-stale-grad-partitions clears after it; at ZeRO-1 the engine's reduce path runs."""
     import deepspeed.comm as ds_comm
+
     from ds_harness.support import pytorch_reference
     from ds_harness.support.paths import CLIP, make_branchy_model
     from ds_harness.support.training import assert_params_close, destroy, run_managed, snapshot

@@ -21,6 +21,7 @@ PERSISTENT = Path(3, "fp32", {**CLIP, "zero_optimization": {"stage3_allgather_se
 def _every_gather_handle_is_waited_on() -> None:
     import deepspeed.comm as ds_comm
     from deepspeed.runtime.zero.partition_parameters import Init
+
     from ds_harness.support.training import destroy, forward_loss
 
     engine = PERSISTENT.initialize(gas=1, managed=None)

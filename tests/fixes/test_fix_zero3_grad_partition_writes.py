@@ -33,6 +33,7 @@ def _head_b_gradients(path_name: str, managed: bool, steps: range, *, discard_fi
     and return head b's full gradients read before each step(). With ``discard_first``, each step's first backward
     is discarded (unmanaged ``engine.zero_grad()``) before the second one."""
     from deepspeed.utils import safe_get_full_grad
+
     from ds_harness.support.training import destroy, forward_loss
 
     engine = PATHS[path_name].initialize(gas=2 if managed else 1, managed=None if managed else False)

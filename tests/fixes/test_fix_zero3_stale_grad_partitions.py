@@ -31,6 +31,7 @@ PATHS = zero3_paths(CLIP, make_branchy_model)
 def _trained_matches_pytorch(path: Path, n: int, label: str, rtol: float, atol: float, compile: bool = False) -> None:
     """``path`` trained STEPS managed steps of GAS ``n`` on the branchy model equals the PyTorch reference."""
     import deepspeed.comm as ds_comm
+
     from ds_harness.support import pytorch_reference
     from ds_harness.support.training import assert_params_close, destroy, run_managed, snapshot
 
@@ -67,7 +68,8 @@ def _overflow_leaves_no_stale_partition(path_name: str) -> None:
     partition, so step 1 (and every later step that does not use head b) overflows again and is skipped too."""
     import dataclasses
 
-    from ds_harness.support.paths import PATHS as ALL_PATHS, make_two_head_model
+    from ds_harness.support.paths import PATHS as ALL_PATHS
+    from ds_harness.support.paths import make_two_head_model
     from ds_harness.support.training import assert_identical, destroy, forward_loss, snapshot
 
     path = dataclasses.replace(ALL_PATHS[path_name], model_fn=make_two_head_model)
@@ -215,6 +217,7 @@ def _run_heads_plan(engine, managed: bool, steps=range(len(HEADS_PLAN)), before_
 
 def _heads_plan_matches_pytorch(path_name: str, managed: bool) -> None:
     import deepspeed.comm as ds_comm
+
     from ds_harness.support import pytorch_reference
     from ds_harness.support.paths import make_two_head_model
     from ds_harness.support.training import assert_params_close, destroy, snapshot
@@ -247,6 +250,7 @@ def _expected_gradient(engine, step: int) -> dict:
     import deepspeed.comm as ds_comm
     import torch
     from deepspeed.utils import safe_get_full_fp32_param
+
     from ds_harness.support import training
     from ds_harness.support.paths import make_two_head_model
 
@@ -271,6 +275,7 @@ def _read_before_every_step(path_name: str, managed: bool) -> None:
     reduces into the fp32 partitions; step() copies the rest)."""
     import torch
     from deepspeed.utils import safe_get_full_grad
+
     from ds_harness.support.training import destroy
 
     def check(engine, step):
@@ -307,6 +312,7 @@ def _skipped_step_leaves_nothing(offload: bool) -> None:
     and steps 2-5 alone, bitwise. An overflow zeroes every partition; the next steps' record of what they wrote must
     start from there (head b is unused in steps 2 and 3, then first written in a late micro-batch)."""
     import torch
+
     from ds_harness.support.training import destroy, forward_loss, snapshot
 
     params = []
@@ -345,6 +351,7 @@ def _set_gradient_is_used_once(offload: bool, managed: bool) -> None:
     gradient, not one the next step finds in the partition."""
     import torch
     from deepspeed.utils import safe_get_full_fp32_param, safe_set_full_grad
+
     from ds_harness.support.training import destroy, forward_loss
 
     zero = {**ZERO3, "offload_optimizer": {"device": "cpu"}} if offload else ZERO3

@@ -71,6 +71,7 @@ def _unused_after_used_steps_on_zero(stage: int) -> None:
     the fp32 gradient slices an earlier step wrote and this one did not, so a stale slice is one a step missed
     after a step that wrote it, which is what this checks (0.19.3 stepped it again on step 0's gradient)."""
     from deepspeed.utils import safe_get_full_fp32_param
+
     from ds_harness.support.training import destroy, forward_loss
 
     engine = _sgd_offload_path(stage).initialize(gas=1, managed=None)

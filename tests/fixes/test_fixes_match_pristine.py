@@ -3,9 +3,9 @@
 Each ``fix-*`` PR promises that such a parameter takes exactly the path it took in 0.19.3: the same copies and
 additions in the same order. The default-behaviour check (``tests/unmanaged/test_default_unchanged.py``) cannot
 see whether that holds: its reference already carries the fixes. Here the reference is pristine 0.19.3, the
-pinned sdist with no PR of the series (``ds_harness.support.pristine`` with ``upto=0``), computed on this machine, and the
-cases (``ds_harness.support.reference_run.EVERY_GRADIENT_CASES``) are managed-mode runs in which every parameter gets a
-gradient in every micro-batch: ZeRO 0-3 in fp32, bf16 and fp16, clipping on and off, GAS 1 and 2, CPU and NVMe
+pinned sdist with no PR of the series (``ds_harness.support.pristine`` with ``upto=0``), computed on this machine, and
+the cases (``ds_harness.support.reference_run.EVERY_GRADIENT_CASES``) are managed-mode runs in which every parameter
+gets a gradient in every micro-batch: ZeRO 0-3 in fp32, bf16 and fp16, clipping on and off, GAS 1 and 2, CPU and NVMe
 optimizer offload, ZeRO-3 parameter offload, MoE, ``safe_get_full_grad``/``safe_set_full_grad`` between the
 boundary backward and ``step()``, the ZeRO optimizer's ``zero_grad()`` between micro-batches. Parameters,
 optimizer state, gradient norm, loss scale and the full gradients read must be bitwise equal.

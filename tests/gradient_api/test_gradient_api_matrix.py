@@ -94,6 +94,7 @@ def _rewrite(engine, variant: str) -> None:
 def _train(stage: int, offload: str, managed: bool, dtype: str, variant: str) -> dict:
     """The fp32 master parameters after STEPS steps of MICRO_BATCHES micro-batches, head b used in the first only."""
     from deepspeed.utils import safe_get_full_fp32_param
+
     from ds_harness.support.training import destroy, forward_loss
 
     engine = _path(stage, offload, dtype, variant).initialize(gas=MICRO_BATCHES if managed else 1,
@@ -146,8 +147,9 @@ def _matches_stage_0(stage: int, offload: str, managed: bool, dtype: str, varian
 
 def _stage_0_matches_pytorch(managed: bool, variant: str) -> None:
     """Stage 0 (fp32) against plain PyTorch: f applied to the gradient of the global batch, then clipping, AdamW."""
-    import torch
     import deepspeed.comm as ds_comm
+    import torch
+
     from ds_harness.support import pytorch_reference
 
     norms = []

@@ -1,4 +1,5 @@
-"""`gradient-divide-factor`: step(gradient_divide_factor=...) normalises the summed gradient once per step, on every stage."""
+"""`gradient-divide-factor`: step(gradient_divide_factor=...) normalises the summed gradient once per step, on every
+stage."""
 
 import pytest
 import torch
@@ -38,7 +39,8 @@ def test_norm_and_clipping_see_the_normalised_gradient(dist, path_name):
     dist.run(scenarios.clipping_sees_the_normalised_gradient, path_name)
 
 
-@pytest.mark.base("0.19.3", reason="the 0.19.3 series' global factor; the 0.19.8 series' per-rank count is tested in its PR's own test module")
+@pytest.mark.base("0.19.3", reason="the 0.19.3 series' global factor; the 0.19.8 series' per-rank count is tested in "
+                  "its PR's own test module")
 @pytest.mark.world_size(1, 2)
 # Both ways of applying the factor: the all-reduce's averaging (fp32 without ZeRO), the ZeRO optimizer's ratio
 @pytest.mark.parametrize("path_name", ["fp32-deepspeed-optimizer", "zero2-fp32"])
@@ -46,7 +48,8 @@ def test_the_factor_lasts_one_step(dist, path_name):
     dist.run(scenarios.factor_lasts_one_step, path_name)
 
 
-@pytest.mark.base("0.19.3", reason="the 0.19.3 series' global factor; the 0.19.8 series' per-rank count is tested in its PR's own test module")
+@pytest.mark.base("0.19.3", reason="the 0.19.3 series' global factor; the 0.19.8 series' per-rank count is tested in "
+                  "its PR's own test module")
 @pytest.mark.world_size(2, 4)
 @pytest.mark.parametrize("path_name", ["zero1-fp32", "zero3-fp32"])
 def test_a_factor_differing_across_ranks_raises_on_every_rank(dist, path_name):
@@ -54,7 +57,8 @@ def test_a_factor_differing_across_ranks_raises_on_every_rank(dist, path_name):
     assert len(set(messages)) == 1, messages
 
 
-@pytest.mark.base("0.19.3", reason="the 0.19.3 series' global factor; the 0.19.8 series' per-rank count is tested in its PR's own test module")
+@pytest.mark.base("0.19.3", reason="the 0.19.3 series' global factor; the 0.19.8 series' per-rank count is tested in "
+                  "its PR's own test module")
 @pytest.mark.world_size(1)
 def test_invalid_factors_and_managed_mode_are_errors(dist):
     dist.run(scenarios.factor_errors, "zero1-fp32")
@@ -68,7 +72,8 @@ def test_gas_scaling_mismatch_warns_once_exactly_when_it_should(dist):
     assert counts == [[0, 0, 0, 0, 1, 0]] + [[0] * 6] * (dist.world_size - 1), "once, on rank 0 only"
 
 
-@pytest.mark.base("0.19.3", reason="the 0.19.3 series' global factor; the 0.19.8 series' per-rank count is tested in its PR's own test module")
+@pytest.mark.base("0.19.3", reason="the 0.19.3 series' global factor; the 0.19.8 series' per-rank count is tested in "
+                  "its PR's own test module")
 @pytest.mark.world_size(2)
 @pytest.mark.parametrize("path_name", ["fp32-deepspeed-optimizer", "zero2-fp32", "zero3-fp32"])
 def test_a_factor_wrong_on_one_rank_raises_on_every_rank(dist, path_name):
@@ -215,7 +220,8 @@ def _legacy_fused_norm_is_normalised() -> None:
                                rtol=2 * torch.finfo(torch.float16).eps, atol=0)
 
 
-@pytest.mark.base("0.19.3", reason="the 0.19.3 series' global factor; the 0.19.8 series' per-rank count is tested in its PR's own test module")
+@pytest.mark.base("0.19.3", reason="the 0.19.3 series' global factor; the 0.19.8 series' per-rank count is tested in "
+                  "its PR's own test module")
 @pytest.mark.world_size(1, 2)
 def test_legacy_fused_fp16_norm_sees_the_normalised_gradient(dist):
     dist.run(_legacy_fused_norm_is_normalised)
@@ -226,8 +232,8 @@ def _hybrid_engine_takes_the_factor() -> None:
     run on an unmanaged engine with the hybrid engine's inference state empty (building a real hybrid engine
     needs an inference-capable model), against the plain engine's step()."""
     import torch
-
     from deepspeed.runtime.hybrid_engine import DeepSpeedHybridEngine
+
     from ds_harness.support.paths import PATHS
     from ds_harness.support.training import destroy, forward_loss, snapshot
 
@@ -246,7 +252,8 @@ def _hybrid_engine_takes_the_factor() -> None:
         assert torch.equal(results[0][name], p), name
 
 
-@pytest.mark.base("0.19.3", reason="the 0.19.3 series' global factor; the 0.19.8 series' per-rank count is tested in its PR's own test module")
+@pytest.mark.base("0.19.3", reason="the 0.19.3 series' global factor; the 0.19.8 series' per-rank count is tested in "
+                  "its PR's own test module")
 @pytest.mark.world_size(2)
 def test_hybrid_engine_step_takes_the_factor(dist):
     dist.run(_hybrid_engine_takes_the_factor)
@@ -257,11 +264,11 @@ def _divide_ratio_declarations_body(path_name: str) -> str:
     ZeRO-2/3 optimizer that reduces the gradients itself without applying it is refused on every rank, not
     silently given an unnormalised gradient."""
     import torch
-
     from deepspeed.runtime.base_optimizer import DeepSpeedOptimizer, ZeROOptimizer
     from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
     from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
     from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+
     from ds_harness.support.paths import PATHS
     from ds_harness.support.training import destroy, forward_loss, snapshot
 
@@ -305,7 +312,8 @@ def _logical_step_collectives(path_name: str, managed: bool, factor: float | Non
     from ds_harness.support.training import destroy, forward_loss
 
     # The count's option refuses gradient_accumulation_steps other than 1
-    engine = PATHS[path_name].initialize(gas=1 if factor else 2, managed=managed, **(divisor_config() if factor else {}))
+    engine = PATHS[path_name].initialize(gas=1 if factor else 2, managed=managed,
+                                         **(divisor_config() if factor else {}))
     for step in range(2):
         with CommCounter() as counter:
             for i in range(2):

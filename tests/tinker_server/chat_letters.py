@@ -15,8 +15,7 @@ from collections.abc import Sequence
 import chz
 import tinker
 from tinker_cookbook import renderers, tokenizer_utils
-from tinker_cookbook.rl.types import (Action, Env, EnvGroupBuilder, Observation, RLDataset, RLDatasetBuilder,
-                                      StepResult)
+from tinker_cookbook.rl.types import Action, Env, EnvGroupBuilder, Observation, RLDataset, RLDatasetBuilder, StepResult
 
 QUESTION = "Write lowercase letters."
 

@@ -24,6 +24,8 @@ def main(out_dir: Path, steps: int) -> None:
 
     init_gloo_deepspeed(timeout_minutes=10)
     from deepspeed_tinker.api import ModelRecord, _adam_params
+    from deepspeed_tinker.commands import run_command
+    from deepspeed_tinker.jobs import JobKind
     from deepspeed_tinker.metrics import MEMORY_KEY, start_memory_reporter
     from deepspeed_tinker.model import LoraSpec
     from deepspeed_tinker.wire import Datum, FwdBwdRequest
@@ -32,7 +34,7 @@ def main(out_dir: Path, steps: int) -> None:
     torch.set_num_threads(1)
     rank = dist.get_rank()
     worker = Worker(rank, dist.get_world_size(), 0)
-    worker.run("create", "m", ModelRecord("m", "s", "tiny-llama-byte", LoraSpec(rank=4, seed=0)))
+    run_command(worker, JobKind.CREATE, "m", ModelRecord("m", "s", "tiny-llama-byte", LoraSpec(rank=4, seed=0)))
     start_memory_reporter(worker, every_s=0.0)
     rng = np.random.default_rng(rank)
     data = []
@@ -42,8 +44,8 @@ def main(out_dir: Path, steps: int) -> None:
     request = FwdBwdRequest("m", 1, "cross_entropy", False, tuple(data))
     adam = _adam_params({"adam_params": {"learning_rate": 1e-4}})
     for _ in range(steps):
-        worker.run("forward_backward", "m", request)
-        worker.run("optim_step", "m", adam)
+        run_command(worker, JobKind.FORWARD_BACKWARD, "m", request)
+        run_command(worker, JobKind.OPTIM_STEP, "m", adam)
         dist.barrier()  # as the server's broadcast and gather do between commands: the reporter's turn
     report = json.loads(dist.distributed_c10d._get_default_store().get(MEMORY_KEY.format(rank=rank)))
     seen = {"steps": worker.models["m"].steps, "report": report, "now": time.time()}

@@ -7,15 +7,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from tinker_sdk_helpers import require
 
 require("tinker")
+from http_in_process import handle  # noqa: E402
 from tinker import types  # noqa: E402
 from tinker.proto.request_conv import forward_backward_request_to_proto  # noqa: E402
 
 from deepspeed_tinker.api import ApiSettings, TinkerApi  # noqa: E402
-from http_in_process import handle  # noqa: E402
 from deepspeed_tinker.scheduler import FutureStore, Scheduler  # noqa: E402
 from deepspeed_tinker.wire import FwdBwdResult  # noqa: E402
 

@@ -18,14 +18,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from tinker_sdk_helpers import require
 
 tinker = require("tinker")
 from tinker import types  # noqa: E402
+from tinker_sdk_helpers import API_KEY, RESULT_TIMEOUT_S, START_TIMEOUT_S, random_data, to_sdk  # noqa: E402
 
 from local_ranks.procs import kill_tree  # noqa: E402
-from tinker_sdk_helpers import API_KEY, RESULT_TIMEOUT_S, START_TIMEOUT_S, random_data, to_sdk  # noqa: E402
 
 pytestmark = pytest.mark.pr("zero-0-1")
 

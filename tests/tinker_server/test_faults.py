@@ -14,14 +14,13 @@ import httpx
 import numpy as np
 import psutil
 import pytest
-
 from tinker_sdk_helpers import require
 
 tinker = require("tinker")
 from tinker import types  # noqa: E402
+from tinker_sdk_helpers import API_KEY, log_tail, random_data, start_server, to_sdk  # noqa: E402
 
 from deepspeed_tinker.faults import EXIT_RANK_FAILED  # noqa: E402
-from tinker_sdk_helpers import API_KEY, log_tail, random_data, start_server, to_sdk  # noqa: E402
 
 pytestmark = pytest.mark.pr("zero-0-1")
 

@@ -92,8 +92,9 @@ def test_a_refused_request_leaves_no_trace_and_the_slot_that_releases_work_is_ne
     from tinker_sdk_helpers import require
 
     require("fastapi")
-    from deepspeed_tinker.api import ApiSettings, TinkerApi
     from http_in_process import handle
+
+    from deepspeed_tinker.api import ApiSettings, TinkerApi
 
     clock = Clock()
     futures = FutureStore(max_futures=100, finished_ttl_s=60, max_per_session=3, clock=clock)
@@ -147,22 +148,36 @@ def test_a_finished_job_is_recorded_before_its_future_resolves() -> None:
     from tinker_sdk_helpers import require
 
     require("fastapi")  # the server module serves HTTP too
+    from deepspeed_tinker.jobs import CheckpointRecord, JobKind, SaveWeights, WeightsMeta
     from deepspeed_tinker.server import _record_and_resolve
 
     futures = FutureStore()
     scheduler = Scheduler(futures)
-    seen: list[str] = []
-    saved = scheduler.submit("save_weights", "m", session="s")
-    _record_and_resolve(scheduler.next_job(timeout=0), {"path": "tinker://r/weights/1"}, futures,
-                        lambda job: seen.append(futures.wait(job.request_id, 0).status))
-    assert seen == ["pending"]
-    assert futures.wait(saved, 0).status == "ok" and futures.wait(saved, 0).result == {"path": "tinker://r/weights/1"}
 
-    def store_fails(job) -> None:
-        raise OSError("disk full")
+    class Recorder:
+        def __init__(self, fails: bool) -> None:
+            self.fails, self.seen = fails, []
 
-    lost = scheduler.submit("save_weights", "m", session="s")
-    _record_and_resolve(scheduler.next_job(timeout=0), {"path": "tinker://r/weights/2"}, futures, store_fails)
-    future = futures.wait(lost, 0)
+        def record_checkpoint(self, checkpoint: CheckpointRecord) -> None:
+            if self.fails:
+                raise OSError("disk full")
+            self.seen.append((checkpoint.checkpoint_id, futures.wait(request_id, 0).status))
+
+    def save(name: str) -> str:
+        checkpoint = CheckpointRecord("m", f"weights/{name}", f"/ckpt/{name}", None, None)
+        return scheduler.submit(JobKind.SAVE_WEIGHTS, "m", SaveWeights(checkpoint.dir, f"tinker://m/weights/{name}",
+                                                                       False, WeightsMeta("b", None), checkpoint),
+                                session="s")
+
+    request_id = save("1")
+    recorder = Recorder(fails=False)
+    _record_and_resolve(scheduler.next_job(timeout=0), {"path": "tinker://m/weights/1"}, futures, recorder)
+    assert recorder.seen == [("weights/1", "pending")]
+    saved = futures.wait(request_id, 0)
+    assert saved.status == "ok" and saved.result == {"path": "tinker://m/weights/1"}
+
+    request_id = save("2")
+    _record_and_resolve(scheduler.next_job(timeout=0), {"path": "tinker://m/weights/2"}, futures, Recorder(True))
+    future = futures.wait(request_id, 0)
     assert (future.status, future.category, future.result) == ("error", "server", None)
     assert "could not record the result: OSError: disk full" in future.error

@@ -6,7 +6,6 @@ from __future__ import annotations
 from typing import Iterator
 
 import pytest
-
 from http_load import run_load
 from tinker_sdk_helpers import require, start_server, stop_server
 

@@ -19,9 +19,18 @@ from typing import Iterator
 
 import numpy as np
 import pytest
-
-from tinker_sdk_helpers import (API_KEY, fwdbwd_proto, log_tail, poll_once, post, random_data, require, result,
-                                start_server, stop_server)
+from tinker_sdk_helpers import (
+    API_KEY,
+    fwdbwd_proto,
+    log_tail,
+    poll_once,
+    post,
+    random_data,
+    require,
+    result,
+    start_server,
+    stop_server,
+)
 
 pytestmark = pytest.mark.pr("zero-0-1")
 LIMIT = 1 << 20

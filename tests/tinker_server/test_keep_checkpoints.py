@@ -9,7 +9,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from tinker_sdk_helpers import API_KEY, RESULT_TIMEOUT_S, require, start_server, stop_server, unmanaged_stage_supported
 
 tinker = require("tinker")

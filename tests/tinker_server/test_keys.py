@@ -8,15 +8,15 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from tinker_sdk_helpers import require
 
 require("fastapi")
+from http_in_process import client  # noqa: E402
+
 from deepspeed_tinker.api import ApiSettings, TinkerApi  # noqa: E402
 from deepspeed_tinker.http_app import HttpSettings  # noqa: E402
 from deepspeed_tinker.keys import KEYS_ENV, check_host, load_api_keys, startup_line  # noqa: E402
 from deepspeed_tinker.scheduler import FutureStore, Scheduler  # noqa: E402
-from http_in_process import client  # noqa: E402
 
 pytestmark = pytest.mark.pr("zero-0-1")
 

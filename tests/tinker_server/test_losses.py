@@ -8,7 +8,6 @@ import math
 import numpy as np
 import pytest
 import torch
-
 from tinker_sdk_helpers import reference_elementwise_loss, require
 
 require("tinker")
@@ -17,8 +16,13 @@ from tinker.proto.request_conv import forward_backward_request_to_proto  # noqa:
 from tinker.proto.response_conv import deserialize_forward_backward_output  # noqa: E402
 
 from deepspeed_tinker.losses import elementwise_loss  # noqa: E402
-from deepspeed_tinker.wire import (Datum, FwdBwdResult, UserError, decode_forward_backward,  # noqa: E402
-                                         encode_forward_backward_output)
+from deepspeed_tinker.wire import (  # noqa: E402
+    Datum,
+    FwdBwdResult,
+    UserError,
+    decode_forward_backward,
+    encode_forward_backward_output,
+)
 from deepspeed_tinker.worker import pad_inputs, unpad  # noqa: E402
 
 pytestmark = pytest.mark.pr("zero-0-1")

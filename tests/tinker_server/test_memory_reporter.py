@@ -9,7 +9,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from tinker_sdk_helpers import require, run_rank_script
 
 pytestmark = pytest.mark.pr("zero-0-1")

@@ -9,16 +9,24 @@ from typing import Iterator
 
 import numpy as np
 import pytest
-
 from tinker_sdk_helpers import require
 
 tinker = require("tinker")
 from tinker import types  # noqa: E402
+from tinker_sdk_helpers import (  # noqa: E402
+    API_KEY,
+    RESULT_TIMEOUT_S,
+    PlainReplay,
+    adam,
+    assert_forward_backward_like_replay,
+    assert_trained_like_replay,
+    random_data,
+    start_server,
+    stop_server,
+    to_sdk,
+)
 
 from deepspeed_tinker.model import LoraSpec  # noqa: E402
-from tinker_sdk_helpers import (  # noqa: E402
-    API_KEY, RESULT_TIMEOUT_S, PlainReplay, adam, assert_forward_backward_like_replay, assert_trained_like_replay,
-    random_data, start_server, stop_server, to_sdk)
 
 pytestmark = pytest.mark.pr("zero-0-1")
 

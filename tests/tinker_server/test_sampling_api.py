@@ -8,16 +8,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from tinker_sdk_helpers import require
 
 require("tinker")
+from http_in_process import handle  # noqa: E402
 from tinker.proto.response_conv import deserialize_sample_response  # noqa: E402
 
 from deepspeed_tinker.api import ApiSettings, TinkerApi  # noqa: E402
-from http_in_process import handle  # noqa: E402
-from deepspeed_tinker.sampling import (SampledSequence, SampleResult, SnapshotRef,  # noqa: E402
-                                             encode_sample_response, parse_sample)
+from deepspeed_tinker.sampling import SampledSequence, SampleResult, SnapshotRef, encode_sample_response, parse_sample  # noqa: E402
 from deepspeed_tinker.scheduler import FutureStore, Scheduler  # noqa: E402
 from deepspeed_tinker.wire import UserError  # noqa: E402
 

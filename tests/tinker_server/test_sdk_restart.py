@@ -11,17 +11,25 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from tinker_sdk_helpers import require
 
 tinker = require("tinker")
 from tinker import types  # noqa: E402
+from tinker_sdk_helpers import (  # noqa: E402
+    API_KEY,
+    RESULT_TIMEOUT_S,
+    adam,
+    random_data,
+    saved_weights,
+    start_server,
+    stop_server,
+    to_sdk,
+    unmanaged_stage_supported,
+)
 
 from deepspeed_tinker.api import parse_tinker_path  # noqa: E402
 from deepspeed_tinker.checkpoint_store import CheckpointStore  # noqa: E402
 from local_ranks.procs import kill_tree  # noqa: E402
-from tinker_sdk_helpers import (API_KEY, RESULT_TIMEOUT_S, adam, random_data, saved_weights,  # noqa: E402
-                                start_server, stop_server, to_sdk, unmanaged_stage_supported)
 
 pytestmark = pytest.mark.pr("zero-0-1")
 

@@ -13,9 +13,18 @@ from typing import Iterator
 
 import numpy as np
 import pytest
-
-from tinker_sdk_helpers import (API_KEY, RESULT_TIMEOUT_S, poll_once, post, random_data, require, result,
-                                start_server, stop_server, to_sdk)
+from tinker_sdk_helpers import (
+    API_KEY,
+    RESULT_TIMEOUT_S,
+    poll_once,
+    post,
+    random_data,
+    require,
+    result,
+    start_server,
+    stop_server,
+    to_sdk,
+)
 
 require("tinker")
 require("prometheus_client")

@@ -7,16 +7,16 @@ import time
 from pathlib import Path
 
 import pytest
-
 from tinker_sdk_helpers import require
 
 require("fastapi")
 require("prometheus_client")
+from http_in_process import client, handle  # noqa: E402
+from test_api import fwdbwd_body, post, result  # noqa: E402
+
 from deepspeed_tinker.api import ApiSettings, TinkerApi  # noqa: E402
 from deepspeed_tinker.http_app import HttpSettings  # noqa: E402
 from deepspeed_tinker.scheduler import FutureStore, Scheduler  # noqa: E402
-from http_in_process import client, handle  # noqa: E402
-from test_api import fwdbwd_body, post, result  # noqa: E402
 
 pytestmark = pytest.mark.pr("zero-0-1")
 

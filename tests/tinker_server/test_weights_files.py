@@ -9,19 +9,25 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
 from tinker_sdk_helpers import build_tiny_hf_model, require
 
 require("tinker")
 peft = require("peft")
+from http_in_process import handle  # noqa: E402
 from tinker import types  # noqa: E402
 
 from deepspeed_tinker.api import ApiSettings, TinkerApi  # noqa: E402
-from http_in_process import handle  # noqa: E402
-from deepspeed_tinker.checkpoint_files import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, MODEL_WEIGHTS,  # noqa: E402
-                                                     read_weights, write_weights)
+from deepspeed_tinker.checkpoint_files import (  # noqa: E402
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
+    MODEL_WEIGHTS,
+    read_weights,
+    write_weights,
+)
 from deepspeed_tinker.checkpoint_store import CheckpointStore  # noqa: E402
+from deepspeed_tinker.commands import COMMANDS  # noqa: E402
 from deepspeed_tinker.download_urls import UrlSigner  # noqa: E402
+from deepspeed_tinker.jobs import CheckpointRecord, SaveExternal  # noqa: E402
 from deepspeed_tinker.model import LORA_ALPHA, LoraSpec, build_model, register_local_model  # noqa: E402
 from deepspeed_tinker.scheduler import FutureStore, Scheduler  # noqa: E402
 from deepspeed_tinker.worker import TrainingModel, Worker  # noqa: E402
@@ -76,15 +82,24 @@ def test_a_lora_checkpoint_is_a_peft_adapter(tmp_path: Path, base: str, gpt2_dir
     assert sorted(read) == sorted(weights) and all(torch.equal(read[k], weights[k]) for k in weights)
 
 
+#: What rank 0 would record after an export (not used by the worker).
+CHECKPOINT = CheckpointRecord("m", "external_weights/x", "", None, None)
+
+
+def _worker_with(model: TrainingModel) -> Worker:
+    """A worker of one rank holding ``model`` as model ``m`` (its engine stands in: the export reads its module)."""
+    worker = Worker(0, 1, 0)
+    worker.models["m"] = model
+    return worker
+
+
 def test_a_full_checkpoint_is_a_transformers_model_with_its_tokenizer(tmp_path: Path, gpt2_dir: str) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     trained = build_model(gpt2_dir, None)
     weights = perturbed(trained)
-    worker = Worker(0, 1, 0)
-    reply = worker._save_external(TrainingModel(SimpleNamespace(module=trained)), {
-        "dir": str(tmp_path / "export"), "served_name": gpt2_dir, "tokenizer_dir": gpt2_dir, "recipients": None,
-        "reply": {"path": "p"}})
+    reply = _worker_with(TrainingModel(SimpleNamespace(module=trained))).save_external("m", SaveExternal(
+        str(tmp_path / "export"), gpt2_dir, gpt2_dir, None, {"path": "p"}, CHECKPOINT))
     assert reply == {"path": "p"} and (tmp_path / "export" / MODEL_WEIGHTS).is_file()
     assert not list(tmp_path.glob(".*.tmp")), "the staging directory was swapped in"
     loaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "export")).eval()
@@ -99,9 +114,9 @@ def test_an_encrypted_export_decrypts_to_the_same_files(tmp_path: Path) -> None:
     trained = build_model("tiny-llama-byte", LoraSpec(rank=2, seed=3))
     perturbed(trained)
     for name, recipients in (("plain", None), ("sealed", [str(identity.to_public())])):
-        Worker(0, 1, 0)._save_external(TrainingModel(SimpleNamespace(module=trained), lora=LoraSpec(2, 3)), {
-            "dir": str(tmp_path / name), "served_name": "tiny-llama-byte", "tokenizer_dir": None,
-            "recipients": recipients, "reply": {}})
+        worker = _worker_with(TrainingModel(SimpleNamespace(module=trained), lora=LoraSpec(2, 3)))
+        worker.save_external("m", SaveExternal(str(tmp_path / name), "tiny-llama-byte", None,
+                                               tuple(recipients) if recipients else None, {}, CHECKPOINT))
     sealed = sorted(p.name for p in (tmp_path / "sealed").iterdir())
     assert sealed == [ADAPTER_CONFIG + ".age", ADAPTER_WEIGHTS + ".age"]
     for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
@@ -181,16 +196,16 @@ def test_the_rest_routes_answer_in_the_sdks_shapes(tmp_path: Path) -> None:
     run_id = created["model_id"]
     job = api.scheduler.next_job(timeout=0)
     assert request(api, "GET", f"training_runs/{run_id}")[0] == 404, "listed once created on the ranks"
-    api.job_finished(job.kind, job.model_id, job.payload, ok=True)
+    COMMANDS[job.kind].record(api, job.payload)  # as rank 0 does once the ranks succeeded
 
     reply = request(api, "POST", "save_weights_external", {"model_id": run_id, "seq_id": 1, "path": "out",
                                                            "ttl_seconds": 3600})
     job = api.scheduler.next_job(timeout=0)
-    directory = Path(job.payload["dir"])  # what the ranks would write
+    directory = Path(job.payload.dir)  # what the ranks would write
     directory.mkdir(parents=True)
     (directory / ADAPTER_WEIGHTS).write_bytes(b"w" * 100)
     (directory / ADAPTER_CONFIG).write_text("{}")
-    api.job_finished(job.kind, job.model_id, job.payload, ok=True)
+    COMMANDS[job.kind].record(api, job.payload)  # as rank 0 does once the ranks succeeded
     assert reply[0] == 200
 
     run = types.TrainingRun.model_validate_json(request(api, "GET", f"training_runs/{run_id}")[1].body)

@@ -18,16 +18,24 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from tinker_sdk_helpers import require
 
 tinker = require("tinker")
 peft = require("peft")
 from tinker import types  # noqa: E402
+from tinker_sdk_helpers import (  # noqa: E402
+    API_KEY,
+    NAMED_MODEL,
+    RESULT_TIMEOUT_S,
+    adam,
+    random_data,
+    start_server,
+    stop_server,
+    to_sdk,
+    unmanaged_stage_supported,
+)
 
 from deepspeed_tinker.api import checkpoint_dir  # noqa: E402
-from tinker_sdk_helpers import (API_KEY, NAMED_MODEL, RESULT_TIMEOUT_S, adam, random_data, start_server,  # noqa: E402
-                                stop_server, to_sdk, unmanaged_stage_supported)
 
 pytestmark = pytest.mark.pr("zero-0-1")
 PROMPT = [72, 101, 108, 108, 111, 44, 32, 68, 101, 101, 112]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from tinker_sdk_helpers import require
 
 tinker = require("tinker")
@@ -12,8 +11,13 @@ from tinker import types  # noqa: E402
 from tinker.proto.request_conv import forward_backward_request_to_proto  # noqa: E402
 from tinker.proto.response_conv import deserialize_forward_backward_output  # noqa: E402
 
-from deepspeed_tinker.wire import (FwdBwdResult, UserError, check_against_model,  # noqa: E402
-                                         decode_forward_backward, encode_forward_backward_output)
+from deepspeed_tinker.wire import (  # noqa: E402
+    FwdBwdResult,
+    UserError,
+    check_against_model,
+    decode_forward_backward,
+    encode_forward_backward_output,
+)
 
 pytestmark = pytest.mark.pr("zero-0-1")
 PROTO = "application/x-protobuf"

@@ -12,6 +12,7 @@ from tinker_sdk_helpers import require
 require("peft")
 require("transformers")
 
+from deepspeed_tinker.jobs import AdamParams  # noqa: E402
 from deepspeed_tinker.model import LoraSpec, build_model, cross_entropy_sum, token_logprobs  # noqa: E402
 from deepspeed_tinker.wire import Datum  # noqa: E402
 from deepspeed_tinker.worker import apply_step_hyperparameters, pad_batch, share, sum_over_ranks  # noqa: E402
@@ -47,8 +48,8 @@ def test_step_hyperparameters_reach_every_group_and_the_clip_norm() -> None:
     groups = [{"lr": 0.0, "betas": (0, 0), "eps": 0, "weight_decay": 0}, {"lr": 0.0}]
     engine = SimpleNamespace(optimizer=SimpleNamespace(param_groups=groups, clip_grad=1.0),
                              _config=SimpleNamespace(gradient_clipping=1.0))
-    apply_step_hyperparameters(engine, {"learning_rate": 0.1, "beta1": 0.8, "beta2": 0.9, "eps": 1e-6,
-                                        "weight_decay": 0.01, "grad_clip_norm": 0.0})
+    apply_step_hyperparameters(engine, AdamParams(learning_rate=0.1, beta1=0.8, beta2=0.9, eps=1e-6,
+                                                  weight_decay=0.01, grad_clip_norm=0.0))
     for group in groups:
         assert (group["lr"], group["betas"], group["eps"], group["weight_decay"]) == (0.1, (0.8, 0.9), 1e-6, 0.01)
     assert engine.optimizer.clip_grad == 0.0 and engine._config.gradient_clipping == 0.0

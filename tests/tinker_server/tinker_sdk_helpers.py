@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from deepspeed_tinker.api import checkpoint_dir, parse_tinker_path
-from deepspeed_tinker.model import LoraSpec, build_model, cross_entropy_sum, token_logprobs
 from deepspeed_tinker.checkpoint_files import read_weights
+from deepspeed_tinker.model import LoraSpec, build_model, cross_entropy_sum, token_logprobs
 
 
 def require(module: str) -> Any:
@@ -59,7 +59,7 @@ START_TIMEOUT_S = 300
 STOP_TIMEOUT_S = 120
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def unmanaged_stage_supported(stage: int) -> bool:
     """Whether the installed DeepSpeed accepts the server's config at this ZeRO stage."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -79,10 +79,8 @@ def start_server(tmp_dir: Path, zero_stage: int, checkpoint_dir: Path | None = N
     """A ``world_size``-rank server (default 2) on loopback with short long-polls, accepting the API key ``API_KEY``
     only (from a keys file), serving ``base_models`` (``PATH`` or ``NAME=PATH``), with ``extra_args`` added to its
     command line; the caller stops it (by PID)."""
-    from deepspeed_tinker.launch import ServerProcess
-
     # A GPU per rank: the server's default, one rank per GPU (NCCL). Fewer: CPU ranks (gloo).
-    from deepspeed_tinker.launch import cuda_device_count
+    from deepspeed_tinker.launch import ServerProcess, cuda_device_count
 
     device = "auto" if cuda_device_count() >= world_size else "cpu"
     tmp_dir.mkdir(parents=True, exist_ok=True)
@@ -316,7 +314,7 @@ def max_weight_difference(actual: dict[str, torch.Tensor], expected: dict[str, t
     return max(float((actual[k].float() - expected[k].float()).abs().max()) for k in expected)
 
 
-def assert_forward_backward_like_replay(future, replay: "PlainReplay", batch: list, logprob_atol: float) -> None:
+def assert_forward_backward_like_replay(future, replay: PlainReplay, batch: list, logprob_atol: float) -> None:
     """A ``forward_backward``'s answer (its loss and each datum's logprobs) equals the replay's forward-backward of
     ``batch``, which also accumulates the replay's gradient. Within tolerances: the replay sums datum by datum, the
     server over a padded batch."""
@@ -327,7 +325,7 @@ def assert_forward_backward_like_replay(future, replay: "PlainReplay", batch: li
         np.testing.assert_allclose(got["logprobs"].data, want, atol=logprob_atol)
 
 
-def assert_trained_like_replay(training, server, replay: "PlainReplay", name: str, atol: float) -> None:
+def assert_trained_like_replay(training, server, replay: PlainReplay, name: str, atol: float) -> None:
     """The server's saved weights equal the plain-PyTorch replay's, and training moved them well beyond
     ``atol`` (otherwise the comparison says nothing)."""
     saved = training.save_state(name).result(timeout=RESULT_TIMEOUT_S)

@@ -39,6 +39,8 @@ def main(out_dir: Path, zero_stage: int, dtype: str, model_dir: str) -> None:
     init_gloo_deepspeed(timeout_minutes=10)
 
     from deepspeed_tinker.api import ModelRecord
+    from deepspeed_tinker.commands import run_command
+    from deepspeed_tinker.jobs import JobKind
     from deepspeed_tinker.model import LoraSpec, register_local_model
     from deepspeed_tinker.sampler import capture_weights
     from deepspeed_tinker.worker import Worker
@@ -59,7 +61,7 @@ def main(out_dir: Path, zero_stage: int, dtype: str, model_dir: str) -> None:
 
     def create(model_id: str, lora: LoraSpec | None, checkpointing: bool) -> None:
         worker.gradient_checkpointing = checkpointing
-        worker.run("create", model_id, ModelRecord(model_id, "s", spec.name, lora))
+        run_command(worker, JobKind.CREATE, model_id, ModelRecord(model_id, "s", spec.name, lora))
 
     def layer0_calls(model_id: str) -> list[int]:
         calls = [0]
@@ -69,9 +71,10 @@ def main(out_dir: Path, zero_stage: int, dtype: str, model_dir: str) -> None:
 
     def step(model_id: str) -> dict:
         calls = layer0_calls(model_id)
-        part = worker.run("forward_backward", model_id, FwdBwdRequest(model_id, 0, "cross_entropy", False, data))
+        request = FwdBwdRequest(model_id, 0, "cross_entropy", False, data)
+        part = run_command(worker, JobKind.FORWARD_BACKWARD, model_id, request)
         during = calls[0]
-        worker.run("optim_step", model_id, adam)
+        run_command(worker, JobKind.OPTIM_STEP, model_id, adam)
         weights = capture_weights(worker.models[model_id].engine, zero_stage,
                                   trainable_only=worker.models[model_id].lora is not None)
         return {"layer0_attention_calls": during,
@@ -122,10 +125,10 @@ def main(out_dir: Path, zero_stage: int, dtype: str, model_dir: str) -> None:
                              "full_ft_shares": any(p is q for p in base_tensors("full").values()
                                                    for q in a.values())}
     forward = FwdBwdRequest("lora-ckpt", 0, "cross_entropy", True, data)
-    before = worker.run("forward", "lora-ckpt", forward)
+    before = run_command(worker, JobKind.FORWARD, "lora-ckpt", forward)
 
     report["steps"] = {mid: step(mid) for mid in ("full", "full-ckpt", "lora")}
-    after = worker.run("forward", "lora-ckpt", forward)
+    after = run_command(worker, JobKind.FORWARD, "lora-ckpt", forward)
     report["other_lora_unchanged"] = all(np.array_equal(x[0], y[0]) for x, y in zip(before, after))
     report["steps"]["lora-ckpt"] = step("lora-ckpt")
     if zero_stage == 3:
@@ -142,6 +145,8 @@ def snapshots(worker, model_id: str) -> dict:
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
     from deepspeed_tinker import sampler
+    from deepspeed_tinker.commands import run_command
+    from deepspeed_tinker.jobs import AdamParams, JobKind, SaveSampler
     from deepspeed_tinker.sampler import capture_weights, tensor_bytes
 
     engine = worker.models[model_id].engine
@@ -170,7 +175,7 @@ def snapshots(worker, model_id: str) -> dict:
         pool = worker.samplers
         gathers[0] = 0
         for snapshot_id in ("a", "b"):  # no step between: one gather, shared tensors
-            worker.run("save_sampler", model_id, {"snapshot_id": snapshot_id, "reply": {}})
+            run_command(worker, JobKind.SAVE_SAMPLER, model_id, SaveSampler(snapshot_id, {}))
         gathers_for_two = gathers[0]
         shared = all(pool._snapshots["a"][n] is pool._snapshots["b"][n] for n in pool._snapshots["a"])
         one_snapshot = tensor_bytes(pool._snapshots["a"].values())
@@ -179,10 +184,9 @@ def snapshots(worker, model_id: str) -> dict:
         data = FwdBwdRequest(model_id, 0, "cross_entropy", False,
                              (Datum(np.arange(8, dtype=np.int64), np.arange(1, 9, dtype=np.int64),
                                     np.ones(8, np.float32)), ))
-        worker.run("forward_backward", model_id, data)
-        worker.run("optim_step", model_id, {"learning_rate": 1e-2, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8,
-                                            "weight_decay": 0.0, "grad_clip_norm": 0.0})
-        worker.run("save_sampler", model_id, {"snapshot_id": "c", "reply": {}})
+        run_command(worker, JobKind.FORWARD_BACKWARD, model_id, data)
+        run_command(worker, JobKind.OPTIM_STEP, model_id, AdamParams(learning_rate=1e-2, eps=1e-8))
+        run_command(worker, JobKind.SAVE_SAMPLER, model_id, SaveSampler("c", {}))
         held_after_step = sorted(pool._snapshots)
         changed = any(not torch.equal(pool._snapshots["c"][n], reference[n]) for n in reference)
     finally:

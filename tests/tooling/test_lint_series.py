@@ -6,9 +6,7 @@ from pathlib import Path
 
 import pytest
 
-
-from ds_series import lint_series
-from ds_series import stack
+from ds_series import lint_series, stack
 
 PRISTINE = '''import os
 

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 
-
 from ds_series import upstream_tests as ut
 
 
@@ -71,7 +70,8 @@ def test_one_outcome_from_phase_reports():
     assert ut._combine([report("setup", "skipped", "no GPU"), report("teardown", "passed")])[0] == "skipped"
     assert ut._combine([report("setup", "passed"), report("call", "failed", "E x"), report("teardown",
                                                                                            "passed")])[0] == "failed"
-    assert ut._combine([report("setup", "passed"), report("call", "passed"), report("teardown", "failed")])[0] == "error"
+    assert ut._combine([report("setup", "passed"), report("call", "passed"),
+                        report("teardown", "failed")])[0] == "error"
     assert ut._combine([report("setup", "passed"), report("call", "xfailed")])[0] == "xfailed"
 
 
@@ -143,13 +143,15 @@ def test_plugin_keeps_one_parametrization_per_function(tmp_path: Path):
     lines = [json.loads(line) for line in events.read_text().splitlines()]
     assert [e["nodeids"] for e in lines if e["event"] == "collected"] == [["test_p.py::test_dup[1]",
                                                                            "test_p.py::test_whole[2]"]]
-    assert [e["nodeid"] for e in lines if e["event"] == "finish"] == ["test_p.py::test_dup[1]", "test_p.py::test_whole[2]"]
+    assert [e["nodeid"] for e in lines if e["event"] == "finish"] == ["test_p.py::test_dup[1]",
+                                                                      "test_p.py::test_whole[2]"]
 
 
 def test_runner_and_plugin_agree_on_names():
     from ds_series import upstream_tests_plugin as plugin
 
-    assert (ut.PLUGIN, ut.PLUGIN_LOG_ENV, ut.PLUGIN_PRELOAD_ENV) == (plugin.__name__, plugin.LOG_ENV, plugin.PRELOAD_ENV)
+    assert (ut.PLUGIN, ut.PLUGIN_LOG_ENV, ut.PLUGIN_PRELOAD_ENV) == (plugin.__name__, plugin.LOG_ENV,
+                                                                     plugin.PRELOAD_ENV)
 
 
 def test_plugin_keeps_listed_ids(tmp_path: Path):
@@ -181,7 +183,8 @@ def test_plugin_keeps_listed_ids(tmp_path: Path):
 
 def test_compare_with_pristine_run_only_on_the_series_failures():
     # --pristine on-failure: pristine ran only what failed on the series; everything else passed there before.
-    pristine = ut.Side("pristine", 0, partial=True, outcomes={"a.py::regressed": "passed", "a.py::upstreams": "failed"})
+    pristine = ut.Side("pristine", 0, partial=True,
+                       outcomes={"a.py::regressed": "passed", "a.py::upstreams": "failed"})
     series = _side("series", {
         "a.py::regressed": "failed",
         "a.py::upstreams": "failed",

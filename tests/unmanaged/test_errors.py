@@ -131,10 +131,9 @@ def test_overlap_comm_is_harmless_at_stage_0(dist):
 
 
 def _pipeline_body() -> None:
+    import deepspeed
     from deepspeed.pipe import PipelineModule
     from deepspeed.runtime.config import DeepSpeedConfigError
-
-    import deepspeed
 
     torch.manual_seed(0)
     model = PipelineModule(layers=[torch.nn.Linear(8, 8), torch.nn.Linear(8, 4)], num_stages=1,
@@ -161,7 +160,8 @@ def _runtime_errors_body(path_name: str, save_dir: str) -> None:
                 pass
     backward(engine, forward_loss(engine, 3, 0))
     backward(engine, forward_loss(engine, 3, 1))
-    with pytest.raises(RuntimeError, match=r"(drop|leave out of the checkpoint) the gradients of 2 backward pass\(es\)"):
+    with pytest.raises(RuntimeError,
+                       match=r"(drop|leave out of the checkpoint) the gradients of 2 backward pass\(es\)"):
         engine.save_checkpoint(save_dir)
     engine.step()
     engine.save_checkpoint(save_dir)

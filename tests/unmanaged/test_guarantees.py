@@ -1,5 +1,5 @@
-"""`zero-0-1`, `zero-2`, `zero-3`: what unmanaged mode promises besides parity - boundary, bookkeeping, discard, fp16 overflow,
-checkpoints, memory, 16-bit export - on every ZeRO stage."""
+"""`zero-0-1`, `zero-2`, `zero-3`: what unmanaged mode promises besides parity - boundary, bookkeeping, discard, fp16
+overflow, checkpoints, memory, 16-bit export - on every ZeRO stage."""
 
 import pytest
 
@@ -88,6 +88,7 @@ def _throughput_reports_the_step(n: int) -> dict:
     import time
 
     import deepspeed.comm as ds_comm
+
     from ds_harness.support.paths import PATHS
     from ds_harness.support.training import MICRO_BATCH, destroy, run_unmanaged
 
@@ -121,6 +122,7 @@ def _autotuning_metrics_report_the_step(metric_dir: str, n: int) -> dict | None:
     import time
 
     import deepspeed.comm as ds_comm
+
     from ds_harness.support.paths import PATHS
     from ds_harness.support.training import MICRO_BATCH, destroy, run_unmanaged
 
@@ -165,6 +167,7 @@ def _finalize_hook_body(path_name: str) -> None:
     optimizer (ZeRO-1 and BF16_Optimizer included, whose gradients the engine reduces)."""
     from deepspeed.runtime.base_optimizer import ZeROOptimizer
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+
     from ds_harness.support.paths import PATHS
     from ds_harness.support.training import destroy, run_unmanaged
 

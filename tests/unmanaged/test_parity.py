@@ -1,4 +1,5 @@
-"""`zero-0-1`, `zero-2`, `zero-3`: N backwards + one step() in unmanaged mode equals managed accumulation, bitwise, on every path.
+"""`zero-0-1`, `zero-2`, `zero-3`: N backwards + one step() in unmanaged mode equals managed accumulation, bitwise, on
+every path.
 
 Each configuration (ds_harness.support.paths) is a case marked with the PR that brings its ZeRO stage.
 """

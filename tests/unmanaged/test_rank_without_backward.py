@@ -45,9 +45,8 @@ def test_rank_without_backward_raises_before_any_collective(dist, path_name):
 def _rank_without_backward_contributes_zeros_body(path_name: str) -> bool:
     """Rank 0 runs no backward in the second step (no rank in the third): the same as a reference whose missing
     backward passes run on a zero loss."""
-    import torch
-
     import deepspeed.comm as ds_comm
+    import torch
 
     plan = [[1, 1], [0, 1], [0, 0], [1, 2]]  # backward passes per step, per rank
     engines = [PATHS[path_name].initialize(gas=1, managed=False) for _ in "ab"]

@@ -52,10 +52,9 @@ def _counting_host_reads(counts: dict):
 def _logical_step_costs(path_name: str, managed: bool, factor: float | None) -> dict:
     """Collectives and host reads of the second of two logical steps of N backward passes (the first sets up)."""
     from ds_bench.comm_counter import CommCounter
+    from ds_harness.support.divisor import divisor_config, divisor_step_kwargs
     from ds_harness.support.paths import PATHS
     from ds_harness.support.training import destroy, forward_loss
-
-    from ds_harness.support.divisor import divisor_config, divisor_step_kwargs
 
     more = divisor_config() if factor is not None else {}
     engine = PATHS[path_name].initialize(gas=N if managed else 1, managed=managed, **more)

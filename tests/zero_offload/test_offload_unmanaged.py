@@ -13,8 +13,16 @@ import torch
 from ds_harness.support import scenarios
 from ds_harness.support.offload_paths import OFFLOAD_FP16_DYNAMIC, OFFLOAD_PATHS, ZERO3_OFFLOAD_BRANCHY
 from ds_harness.support.paths import PATHS
-from ds_harness.support.training import (assert_identical, assert_params_close, backward, destroy, forward_loss, run_managed,
-                              run_unmanaged, snapshot)
+from ds_harness.support.training import (
+    assert_identical,
+    assert_params_close,
+    backward,
+    destroy,
+    forward_loss,
+    run_managed,
+    run_unmanaged,
+    snapshot,
+)
 
 pytestmark = pytest.mark.pr("zero-offload")
 PATH_NAMES = sorted(OFFLOAD_PATHS)
@@ -302,6 +310,7 @@ def test_boundary_work_runs_only_in_step(dist, path_name):
 
 def _config_error(zero: dict, expected: str) -> None:
     from deepspeed.runtime.config import DeepSpeedConfig, DeepSpeedConfigError
+
     from ds_harness.support.training import base_config
 
     config = base_config(1, managed=False, stage=zero.pop("stage"), zero_optimization=zero)
@@ -333,6 +342,7 @@ def _unmanaged_unused_parameters_match_pytorch(stage: int, offload: bool) -> Non
     clipping, a variable N: unmanaged mode equals plain PyTorch (clip over the real gradients, a zero
     gradient for a parameter without one), with and without optimizer offload."""
     import deepspeed.comm as ds_comm
+
     from ds_harness.support import pytorch_reference
     from ds_harness.support.paths import CLIP, Path, make_branchy_model
 

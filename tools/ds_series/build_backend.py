@@ -4,9 +4,9 @@
 The project itself holds only patches, so the wheel is built from the pinned upstream sdist (fetched
 and verified by ``stack.py``) after applying every PR in ``patches/deepspeed-<version>/series``. The wheel
 is DeepSpeed's own, built by its own ``setup.py`` with JIT-compiled ops, and versioned
-``<version>+<series tag>.<n>`` (``0.19.8+gafollowups.<n>``, ``0.19.3+unmanagedga.<n>``). DeepSpeed's ``setup.py`` needs no torch to
-build, so pip's isolated build never pulls one. Upstream's tests/ and docs/, which some series lay into
-the tree for their PRs' tests, are not needed here: without them those hunks are left out.
+``<version>+<series tag>.<n>`` (``0.19.8+gafollowups.<n>``, ``0.19.3+unmanagedga.<n>``). DeepSpeed's ``setup.py``
+needs no torch to build, so pip's isolated build never pulls one. Upstream's tests/ and docs/, which some series lay
+into the tree for their PRs' tests, are not needed here: without them those hunks are left out.
 """
 
 from __future__ import annotations

@@ -7,8 +7,8 @@ the first test that fails, or that none does. A hunk no test notices is a test t
 can go. Run on demand (not in CI); it writes a Markdown report (default ``tools/results/hunk-check-<base>.md``).
 
 What it checks is a snapshot of committed work: ``git archive <rev>`` of this repository (default HEAD) into
-``build/hunk-check/<base>/main-<commit>/``, whose ``tools/ds_series/stack.py materialize`` builds the series' tree there
-(never ``deepspeed-src/``). Uncommitted edits to patches/ or tests/ are not seen.
+``build/hunk-check/<base>/main-<commit>/``, whose ``tools/ds_series/stack.py materialize`` builds the series' tree
+there (never ``deepspeed-src/``). Uncommitted edits to patches/ or tests/ are not seen.
 
 A PR's tests: the project's tests that belong to it (``@pytest.mark.pr``, as ``conftest.py`` resolves the marker
 for the base), at world size 2 on the core engine configurations (``--paths core``), without the Tinker server's
@@ -35,8 +35,9 @@ Usage (from the repository root; run it with ``nice``, it keeps two cores busy f
     .venv/bin/python -m ds_series.hunk_check --base 0.19.3 --venv .venv-hunks-0.19.3
     .venv/bin/python -m ds_series.hunk_check --base 0.19.8 --venv .venv-hunks-0.19.8 --prs gradient-divide-factor
 
-As a pytest plugin (``-p ds_series.hunk_check``, in a virtualenv where this package is installed) the module records outcomes for the check:
-``$HUNK_CHECK_COLLECT`` gets each collected test's PR, ``$HUNK_CHECK_REPORT`` each test's outcome.
+As a pytest plugin (``-p ds_series.hunk_check``, in a virtualenv where this package is installed) the module records
+outcomes for the check: ``$HUNK_CHECK_COLLECT`` gets each collected test's PR, ``$HUNK_CHECK_REPORT`` each test's
+outcome.
 """
 
 from __future__ import annotations
@@ -122,8 +123,8 @@ def pytest_runtest_logreport(report) -> None:
     message = ""
     if report.outcome == "failed":
         text = report.longreprtext or ""
-        lines = [l for l in text.splitlines() if l.strip()]
-        errors = [l for l in lines if l.startswith("E ")]
+        lines = [line for line in text.splitlines() if line.strip()]
+        errors = [line for line in lines if line.startswith("E ")]
         message = "\n".join((errors or lines)[-12:])
     _append_json(
         path, {
@@ -279,7 +280,7 @@ def tool_script(src: Path, name: str) -> Path:
 
 
 def run(argv: list[str], cwd: Path | None = None, env: dict | None = None, check: bool = True) -> str:
-    result = subprocess.run(argv, cwd=cwd, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    result = subprocess.run(argv, cwd=cwd, env=env, text=True, capture_output=True)
     if check and result.returncode != 0:
         raise SystemExit(f"error: {' '.join(map(str, argv))} failed in {cwd}:\n{result.stdout}\n{result.stderr}")
     return result.stdout
@@ -384,7 +385,8 @@ class Checker:
         self.tree = self.src / "deepspeed-src" / self.base
         self.results_path = self.work / f"results-{self.commit[:12]}.json"
         self.logs = self.work / "logs"
-        self.report_path = Path(args.report) if args.report else ROOT / "tools" / "results" / f"hunk-check-{self.base}.md"
+        self.report_path = (Path(args.report) if args.report
+                            else ROOT / "tools" / "results" / f"hunk-check-{self.base}.md")
         self.results: dict[str, dict] = {}
         self.hunk_counts: dict[str, int] = {}
         self.baselines: dict[str, dict] = {}
@@ -514,8 +516,8 @@ class Checker:
         out = self.logs / "collect.jsonl"
         out.unlink(missing_ok=True)
         argv = [
-            str(self.python), "-m", "pytest", "-p", "no:cacheprovider", "-p", "ds_series.hunk_check", "--collect-only", "-q",
-            "--paths", "core", "--world-sizes", "2", *(f"--ignore={p}" for p in self.args.ignore), "tests"
+            str(self.python), "-m", "pytest", "-p", "no:cacheprovider", "-p", "ds_series.hunk_check", "--collect-only",
+            "-q", "--paths", "core", "--world-sizes", "2", *(f"--ignore={p}" for p in self.args.ignore), "tests"
         ]
         rc, _ = run_with_timeout(argv, self.src, {
             **self.env, "HUNK_CHECK_COLLECT": str(out)
@@ -584,7 +586,7 @@ class Checker:
             **suite.env, "HUNK_CHECK_REPORT": str(report)
         }, timeout, self.logs / f"{tag}.log")
         clean_shm(before)
-        records = [json.loads(l) for l in report.read_text().splitlines()] if report.exists() else []
+        records = [json.loads(line) for line in report.read_text().splitlines()] if report.exists() else []
         for r in records:  # node ids relative to this suite's folder, to name them on a later command line
             if r.get("rootdir") and r["when"] != "collect":
                 path, sep, rest = r["nodeid"].partition("::")
@@ -860,8 +862,8 @@ class Checker:
         key = f"{pr} (earlier PRs' tests)"
         self.baseline(pr, suites, key)
         b = self.baselines[key]
-        log(f"{pr}: earlier PRs' tests, baseline {b['tests']} passed, {len(b['failed'])} failed in {b['seconds']:.0f} s"
-            )
+        log(f"{pr}: earlier PRs' tests, baseline {b['tests']} passed, {len(b['failed'])} failed in "
+            f"{b['seconds']:.0f} s")
         noticers: list[str] = []
         for hunk in flagged:
             result = self.check_hunk(hunk, state, suites, noticers)
@@ -885,8 +887,8 @@ class Checker:
         for r in rows:
             counts.setdefault(r["pr"], {}).setdefault(category(r), 0)
             counts[r["pr"]][category(r)] += 1
-        in_tree = ", plus the `tests/unit` files its patch adds or changes (upstream's `DistributedTest` harness, run " \
-            "from a copy of the tree's `tests/`)" if self.base != "0.19.3" else ""
+        in_tree = (", plus the `tests/unit` files its patch adds or changes (upstream's `DistributedTest` harness, "
+                   "run from a copy of the tree's `tests/`)" if self.base != "0.19.3" else "")
         lines = [
             f"# Hunk-removal check: the {self.base} series",
             "",
@@ -1004,7 +1006,7 @@ def hunk_block(r: dict) -> list[str]:
         f"- `{r['pr']}`, `{r['file']}`, hunk #{r['index']} `{r['header']}` ({r['lines']}): {describe(r)}", "",
         "  ```diff"
     ]
-    out += [f"  {l}" for l in r["changes"]]
+    out += [f"  {line}" for line in r["changes"]]
     out += ["  ```", ""]
     wider = r.get("wider")
     if wider:

@@ -63,8 +63,7 @@ def _run(*cmd: str, cwd: Path | None = None) -> str:
     result = subprocess.run([sys.executable, "-m", *cmd],
                             cwd=cwd,
                             text=True,
-                            stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE)
+                            capture_output=True)
     if result.returncode not in (0, 1, 65):  # 1: findings (yapf, flake8), 65: misspellings (codespell)
         raise stack.StackError(f"{' '.join(cmd[:1])} failed ({result.returncode}):\n{result.stderr.strip()}")
     return result.stdout

@@ -235,7 +235,7 @@ def read_series(series_file: Path) -> list[Patch]:
 
 def write_series(patches: list[Patch], series_file: Path) -> None:
     """Rewrite the index, keeping its header comments."""
-    header = [l for l in series_file.read_text(encoding="utf-8").splitlines() if l.startswith("#")]
+    header = [line for line in series_file.read_text(encoding="utf-8").splitlines() if line.startswith("#")]
     body = [f"{p.name} {p.title}" for p in patches]
     _write_text(series_file, "\n".join(header + body) + "\n")
 
@@ -341,8 +341,7 @@ def git_argv(*args: str) -> list[str]:
 
 
 def git(repo: Path, *args: str, check: bool = True, input: str | None = None) -> str:
-    result = subprocess.run(git_argv(*args), cwd=repo, env=git_env(), input=input, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    result = subprocess.run(git_argv(*args), cwd=repo, env=git_env(), input=input, text=True, capture_output=True)
     if check and result.returncode != 0:
         raise StackError(f"git {' '.join(args)} failed in {repo}:\n{result.stderr.strip()}")
     return result.stdout

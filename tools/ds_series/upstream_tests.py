@@ -23,8 +23,9 @@ The rules, per test id (the pytest node id under ``tests/``):
   pass and skip.
 - Both sides use one harness: ``tests/unit/common.py`` of the series' tree if the series changes it (0.19.8's
   ``fix-cpu-test-harness`` on upstream's #8397, a backport below that series), else upstream's with both applied
-  (0.19.3; the file is the same at both revisions). Without it the harness cannot compare tensors across ranks on gloo, and a failing ``pytest.raises``
-  in a rank hangs the run instead of failing the test (``../shared/upstream/README.md``).
+  (0.19.3; the file is the same at both revisions). Without it the harness cannot compare tensors across ranks on
+  gloo, and a failing ``pytest.raises`` in a rank hangs the run instead of failing the test
+  (``../shared/upstream/README.md``).
 
 Both installs share one virtualenv and its ``$TORCH_EXTENSIONS_DIR``: ``stack.py install`` keeps the times of
 op sources that did not change, so the JIT-built ops (CPU Adam, shared-memory comm) are built once per base, not
@@ -36,7 +37,7 @@ Hangs: the harness ends the whole session on a hung test (and may then block clo
 session writes its events as they happen (``ds_series.upstream_tests_plugin``); a test that runs longer than
 ``--timeout`` is killed with its session, counted as hung, and a new session resumes after it.
 
-    python -m ds_series.upstream_tests                        # both bases, every file of the scope; tools/results/upstream-tests.md
+    python -m ds_series.upstream_tests  # both bases, every file of the scope; tools/results/upstream-tests.md
     python -m ds_series.upstream_tests --base 0.19.8 --subset ci --python .ci-venv-0.19.8/bin/python   # what CI runs
 """
 
@@ -88,10 +89,11 @@ UPSTREAM_TESTS_ENV = "DS_UPSTREAM_TESTS_{}"
 FULL_SCOPE = ("unit/v1/zero", "unit/runtime", "unit/v1/half_precision", "unit/hybrid_engine", "unit/checkpoint",
               "unit/v1/test_dist_harness.py")
 
-#: What CI runs (``--subset ci``; see CONTRIBUTING.md, "What CI runs", for how it was chosen): these files (under ``tests/``), which
-#: exercise every file a PR of either series touches, with ONE parametrization of each test function (the first
-#: collected: the others repeat it for another stage, dtype or option), plus every test file the series adds
-#: (whole) and, in an upstream file the series changes, every parametrization of each test function it changes.
+#: What CI runs (``--subset ci``; see CONTRIBUTING.md, "What CI runs", for how it was chosen): these files (under
+#: ``tests/``), which exercise every file a PR of either series touches, with ONE parametrization of each test
+#: function (the first collected: the others repeat it for another stage, dtype or option), plus every test file the
+#: series adds (whole) and, in an upstream file the series changes, every parametrization of each test function it
+#: changes.
 CI_SUBSET: tuple[str, ...] = (
     # ZeRO stages 1-3, offload, backward and the accumulation boundary: stage_1_and_2.py, stage3.py,
     # partition_parameters.py, base_optimizer.py, engine.py's backward()/step()
@@ -118,8 +120,9 @@ CI_SUBSET: tuple[str, ...] = (
 )
 
 #: The CI subset's test ids per base (``--subset ci``), when committed: of the first parametrization of each test
-#: function in CI_SUBSET, those that passed on pristine in the committed comparison (tools/results/upstream-tests.md); a test
-#: that fails or skips on pristine can never be red, so CI does not pay for it. ``--write-ci-ids`` writes it.
+#: function in CI_SUBSET, those that passed on pristine in the committed comparison
+#: (tools/results/upstream-tests.md); a test that fails or skips on pristine can never be red, so CI does not pay for
+#: it. ``--write-ci-ids`` writes it.
 CI_IDS = ROOT / "tests" / "upstream-ci" / "{base}.txt"
 
 #: Outcomes that count as a failure on the series side.
@@ -444,8 +447,9 @@ def run_side(python: Path, side_dir: Path, paths: list[str], env: dict[str, str]
         side.sessions += 1
         done_file.write_text("\n".join(outcome) + "\n", encoding="utf-8")
         argv = [str(python), "-m", "pytest", "-p", "no:cacheprovider", "-p", PLUGIN,
-                f"--basetemp={side_dir / 'tmp'}", f"--upstream-tests-done={done_file}", "--continue-on-collection-errors",
-                "-q", "-rN", *((f"--upstream-tests-only={only_file}", ) if only else options), *paths]
+                f"--basetemp={side_dir / 'tmp'}", f"--upstream-tests-done={done_file}",
+                "--continue-on-collection-errors", "-q", "-rN",
+                *((f"--upstream-tests-only={only_file}", ) if only else options), *paths]
         shm_before = shm_files()
         out_path = side_dir / f"pytest{tag}-{session}.log"
         with out_path.open("w") as out:
@@ -714,7 +718,8 @@ def _file_of(nodeid: str) -> str:
     return nodeid.split("::", 1)[0]
 
 
-def compare(pristine: Side, series: Side, changed: list[str], pristine_files: set[str] | None = None) -> dict[str, str]:
+def compare(pristine: Side, series: Side, changed: list[str],
+            pristine_files: set[str] | None = None) -> dict[str, str]:
     """A verdict per test id that differs or matters: ``red``, ``removed`` (gone from a file the series changed),
     ``fixed`` (fails on pristine, passes on the series), ``both-fail``, ``new`` (only on the series, not failing),
     ``not-run`` (the time limit ran out), ``changed`` (any other difference of outcome). Ids with the same outcome
@@ -785,8 +790,10 @@ def render_base(results: dict) -> str:
     lines = [
         f"## {base}: pristine {pristine['version']} against the series {series['version']}",
         "",
-        f"Upstream's tests at {results['revision']}; {'every file of the scope' if results['subset'] == 'full' else 'the CI subset'}: "
-        f"`{' '.join(results['paths'])}`. Harness: {results['harness']}. CPU accelerator, `LOCAL_SIZE={results['local_size']}`, "
+        f"Upstream's tests at {results['revision']}; "
+        f"{'every file of the scope' if results['subset'] == 'full' else 'the CI subset'}: "
+        f"`{' '.join(results['paths'])}`. Harness: {results['harness']}. CPU accelerator, "
+        f"`LOCAL_SIZE={results['local_size']}`, "
         f"{results['timeout']} s per test; {results['machine']}, {results['date']}. Time: pristine "
         f"{_minutes(pristine['seconds'])} ({pristine['sessions']} session(s)), series {_minutes(series['seconds'])} "
         f"({series['sessions']} session(s)), {_minutes(results['seconds'])} in all with the installs.",
@@ -808,8 +815,8 @@ def render_base(results: dict) -> str:
                   ", ".join(f"`{f}`" for f in results["changed_files"]) + ".", ""]
     outcomes = sorted(set(pristine["outcomes"].values()) | set(series["outcomes"].values()))
     pc, sc = _counts(pristine["outcomes"]), _counts(series["outcomes"])
-    lines += ["| side | tests | " + " | ".join(outcomes) + " |", "| --- | ---: | " + " | ".join("---:" for _ in outcomes) +
-              " |"]
+    lines += ["| side | tests | " + " | ".join(outcomes) + " |",
+              "| --- | ---: | " + " | ".join("---:" for _ in outcomes) + " |"]
     for name, side, counts in (("pristine", pristine, pc), ("series", series, sc)):
         lines.append(f"| {name} | {len(side['outcomes'])} | " + " | ".join(str(counts.get(o, 0)) for o in outcomes) +
                      " |")
@@ -856,8 +863,8 @@ def render_base(results: dict) -> str:
         per_file = {}
         for nodeid in both:
             per_file[_file_of(nodeid)] = per_file.get(_file_of(nodeid), 0) + 1
-        lines += [f"### Failing on both: upstream's, on this machine ({len(both)})", "", "| file | tests | first failure |",
-                  "| --- | ---: | --- |"]
+        lines += [f"### Failing on both: upstream's, on this machine ({len(both)})", "",
+                  "| file | tests | first failure |", "| --- | ---: | --- |"]
         for file, count in sorted(per_file.items()):
             first = next(n for n in both if _file_of(n) == file)
             reason = _reason(pristine["details"].get(first, ""))[:200]
@@ -924,8 +931,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=str(ROOT / "scratch" / "upstream-tests"),
                         help="working folder (default scratch/upstream-tests)")
     parser.add_argument("--report", default=None,
-                        help="markdown report to write (default: tools/results/upstream-tests.md for a full run of every "
-                        "base, else <out>/report.md)")
+                        help="markdown report to write (default: tools/results/upstream-tests.md for a full run of "
+                        "every base, else <out>/report.md)")
     parser.add_argument("--write-ci-ids", action="store_true",
                         help=f"write {CI_IDS.relative_to(ROOT)} from an earlier --subset ci run's results.json: the "
                         "ids that passed on pristine (not those kept whole: they always run)")
@@ -951,7 +958,8 @@ def main(argv: list[str] | None = None) -> int:
                 parser.error(f"{base}: the results are of a --subset {results['subset']} run, not ci")
             whole = set(results["kept_whole"])
             ids = sorted(nodeid for nodeid, outcome in results["sides"]["pristine"]["outcomes"].items()
-                         if outcome in PASSING and nodeid.split("[", 1)[0] not in whole and _file_of(nodeid) not in whole)
+                         if outcome in PASSING and nodeid.split("[", 1)[0] not in whole
+                         and _file_of(nodeid) not in whole)
             path = Path(str(CI_IDS).format(base=base))
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text("\n".join(ids) + "\n", encoding="utf-8")

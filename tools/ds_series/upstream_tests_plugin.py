@@ -6,8 +6,8 @@ the tests that ran before the hang. This plugin writes every event as one JSON l
 can watch progress, kill a hung session, name the test that hung and resume after it; ``--upstream-tests-done``
 deselects the tests an earlier session already finished.
 
-Loaded with ``-p ds_series.upstream_tests_plugin`` (this package installed in the side's virtualenv); the log file is ``$DS_UPSTREAM_TESTS_LOG``.
-Standard library and pytest only: it runs inside the virtualenv under test.
+Loaded with ``-p ds_series.upstream_tests_plugin`` (this package installed in the side's virtualenv); the log file is
+``$DS_UPSTREAM_TESTS_LOG``. Standard library and pytest only: it runs inside the virtualenv under test.
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
 Optimizer offload (CPU and NVMe) for ZeRO stages 1, 2 and 3, parameter offload (CPU and NVMe) for
 stage 3.
 
-``ds_harness.support.paths`` imports this module, which adds ``OFFLOAD_PATHS`` to ``ds_harness.support.paths.PATHS``, so the shared
-scenarios (which look paths up by name in ``PATHS``) find them.
+``ds_harness.support.paths`` imports this module, which adds ``OFFLOAD_PATHS`` to ``ds_harness.support.paths.PATHS``,
+so the shared scenarios (which look paths up by name in ``PATHS``) find them.
 
 Optimizer offload keeps the fp32 master partition, its gradient and the optimizer state in host memory.
 On the CPU accelerator "device" and host are both CPU, but the code paths (CPU accumulation buffers,

@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import torch
 
-from .training import HIDDEN, FEATURES, OUTPUTS, base_config, make_model, merge
+from .training import FEATURES, HIDDEN, OUTPUTS, base_config, make_model, merge
 
 
 @dataclass(frozen=True)
@@ -78,14 +78,14 @@ def plain_sgd(lr: float) -> dict:
     }
 
 
-def zero3_paths(config: dict, model_fn: Callable[[], torch.nn.Module]) -> dict[str, "Path"]:
+def zero3_paths(config: dict, model_fn: Callable[[], torch.nn.Module]) -> dict[str, Path]:
     """ZeRO-3 (every parameter partitioned) without and with CPU optimizer offload, on ``config`` (fp32)."""
     zero = {"stage3_param_persistence_threshold": 0}
     return {
         "zero3": Path(3, "fp32", {**config, "zero_optimization": zero}, model_fn=model_fn),
-        "zero3-offload": Path(3,
-                              "fp32", {**config, "zero_optimization": {**zero, "offload_optimizer": {"device": "cpu"}}},
-                              model_fn=model_fn),
+        "zero3-offload": Path(
+            3, "fp32", {**config, "zero_optimization": {**zero, "offload_optimizer": {"device": "cpu"}}},
+            model_fn=model_fn),
     }
 
 

@@ -251,9 +251,9 @@ def _rank_main(out: str, tree: str, backend: str, table: str) -> None:
     if not deepspeed.__file__.startswith(tree):
         raise RuntimeError(f"imported {deepspeed.__file__}, not the reference tree {tree}")
     from ds_harness.runner import SETTINGS
-    from local_ranks.ranks import disable_cpu_shm_allreduce
-    from ds_harness.worker import _flush_and_exit, _reset_state
     from ds_harness.support.reference_run import TABLES, fixed_run
+    from ds_harness.worker import _flush_and_exit, _reset_state
+    from local_ranks.ranks import disable_cpu_shm_allreduce
 
     if backend == "nccl":
         from deepspeed.accelerator import get_accelerator

@@ -25,8 +25,18 @@ from typing import Any, Callable
 import torch
 
 from .offload_paths import AIO, CPU_ADAM, NVME, _offload, _offload3
-from .paths import (CLIP, WARMUP, Path, _zero2, _zero3, client_fused_adam, make_branchy_model, make_moe_model,
-                    make_two_head_model, make_wide_model)
+from .paths import (
+    CLIP,
+    WARMUP,
+    Path,
+    _zero2,
+    _zero3,
+    client_fused_adam,
+    make_branchy_model,
+    make_moe_model,
+    make_two_head_model,
+    make_wide_model,
+)
 from .training import destroy, flatten, forward_loss, nvme_unavailable_reason
 
 #: Managed steps per case, of ``Case.gas`` micro-batches each (GAS by default).

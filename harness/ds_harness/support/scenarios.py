@@ -11,8 +11,17 @@ import torch
 
 from .divisor import divides_by_count, divisor_config, divisor_step_kwargs
 from .paths import PATHS, make_branchy_model
-from .training import (MICRO_BATCH, assert_identical, backward, destroy, forward_loss, run_boundary_driven,
-                       run_managed, run_unmanaged, snapshot)
+from .training import (
+    MICRO_BATCH,
+    assert_identical,
+    backward,
+    destroy,
+    forward_loss,
+    run_boundary_driven,
+    run_managed,
+    run_unmanaged,
+    snapshot,
+)
 
 STEPS = 3
 
@@ -347,8 +356,9 @@ def _token_mask(step: int, index: int, rank: int) -> torch.Tensor:
 
 def _token_sum_loss(engine, step: int, index: int) -> tuple:
     """Raw sum of per-token squared errors over the micro-batch's tokens, and the token count."""
-    from .training import micro_batch, model_dtype
     import deepspeed.comm as dist
+
+    from .training import micro_batch, model_dtype
 
     x, y = micro_batch(step, index, dtype=model_dtype(engine))
     mask = _token_mask(step, index, dist.get_rank()).to(engine.device)

@@ -26,7 +26,6 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import pytest
-
 from tinker_sdk_helpers import API_KEY, require
 
 if TYPE_CHECKING:
@@ -77,10 +76,9 @@ def test_sl_basic_lowers_the_loss(server, cookbook_env, tmp_path: Path) -> None:
 def test_rl_basic_with_async_config_raises_the_reward(server, cookbook_env, tmp_path: Path) -> None:
     if server.zero_stage != 3:
         pytest.skip("one stage is enough: the recipe's requests are those the SDK tests check on every stage")
+    from chat_letters import ChatLettersDatasetBuilder
     from tinker_cookbook.recipes import rl_basic
     from tinker_cookbook.rl.train import AsyncConfig
-
-    from chat_letters import ChatLettersDatasetBuilder
 
     log_path = tmp_path / "rl_basic"
     config = rl_basic.build_config_blueprint(LLAMA).apply({
@@ -127,15 +125,15 @@ def replay_dpo(model_path: Path, lora: LoraSpec, batches: list[list], learning_r
     import copy
 
     import torch
+    from tinker_sdk_helpers import PlainReplay
 
     from deepspeed_tinker.model import token_logprobs
-    from tinker_sdk_helpers import PlainReplay
 
     replay = PlainReplay(str(model_path), lora)
     reference = copy.deepcopy(replay.model).eval()
     losses = []
 
-    def sequence_logprob(model, datum) -> "torch.Tensor":
+    def sequence_logprob(model, datum) -> torch.Tensor:
         tokens = torch.tensor([datum.model_input.to_ints()])
         targets = torch.tensor([datum.loss_fn_inputs["target_tokens"].data])
         weights = torch.tensor(datum.loss_fn_inputs["weights"].data, dtype=torch.float32)
@@ -166,9 +164,9 @@ def test_dpo_lowers_the_loss_and_equals_a_plain_pytorch_replay(server, cookbook_
     from tinker_cookbook.preference.dpo_datasets import DPODatasetBuilderFromComparisons
     from tinker_cookbook.preference.preference_datasets import ComparisonBuilderFromJsonl
     from tinker_cookbook.supervised.types import ChatDatasetBuilderCommonConfig
+    from tinker_sdk_helpers import max_weight_difference, saved_weights
 
     from deepspeed_tinker.model import LoraSpec, register_local_model
-    from tinker_sdk_helpers import max_weight_difference, saved_weights
 
     service = tinker.ServiceClient(base_url=server.base_url)
     lora = LoraSpec(rank=32, seed=25)
@@ -210,7 +208,7 @@ def test_dpo_lowers_the_loss_and_equals_a_plain_pytorch_replay(server, cookbook_
     assert moved > 100 * WEIGHT_ATOL, f"training barely moved the adapters ({moved}): the comparison says nothing"
 
 
-# --- The KL penalty against a base-model sampler ----------------------------------------------------------------------
+# --- The KL penalty against a base-model sampler --------------------------------------------------------------------
 
 
 def test_rl_basic_with_a_kl_penalty_against_the_base_model(server, cookbook_env, tmp_path: Path) -> None:
@@ -227,11 +225,10 @@ def test_rl_basic_with_a_kl_penalty_against_the_base_model(server, cookbook_env,
         pytest.skip("one stage is enough: the recipe's requests are those the SDK tests check on every stage")
     import tinker
     import torch
+    from chat_letters import ChatLettersDatasetBuilder
     from tinker_cookbook.recipes import rl_basic
     from tinker_cookbook.rl.train import KLReferenceConfig
     from transformers import AutoModelForCausalLM
-
-    from chat_letters import ChatLettersDatasetBuilder
 
     log_path = tmp_path / "rl_basic_kl"
     config = rl_basic.build_config_blueprint(LLAMA).apply({
@@ -261,7 +258,7 @@ def test_rl_basic_with_a_kl_penalty_against_the_base_model(server, cookbook_env,
     np.testing.assert_allclose(served, local.numpy(), atol=1e-4)
 
 
-# --- Off-policy distillation ------------------------------------------------------------------------------------------
+# --- Off-policy distillation ----------------------------------------------------------------------------------------
 
 
 def replay_distillation(model_path: Path, student_lora: LoraSpec, teacher_lora: LoraSpec,
@@ -271,9 +268,9 @@ def replay_distillation(model_path: Path, student_lora: LoraSpec, teacher_lora: 
     cross-entropy against it summed over positions (Tinker's ``cross_entropy`` with ``[N, K]`` targets), one AdamW
     step (the SDK's ``AdamParams`` defaults) per batch. Returns each step's loss and the student's adapters."""
     import torch
+    from tinker_sdk_helpers import PlainReplay
 
     from deepspeed_tinker.model import build_model
-    from tinker_sdk_helpers import PlainReplay
 
     teacher = build_model(str(model_path), teacher_lora).eval()
     missing, unexpected = teacher.load_state_dict(teacher_weights, strict=False)
@@ -317,9 +314,9 @@ def test_off_policy_distillation_lowers_the_students_loss(server, cookbook_env, 
     from tinker_cookbook.renderers import TrainOnWhat
     from tinker_cookbook.supervised.data import FromConversationFileBuilder
     from tinker_cookbook.supervised.types import ChatDatasetBuilderCommonConfig
+    from tinker_sdk_helpers import max_weight_difference, saved_weights
 
     from deepspeed_tinker.model import BASE_MODELS, LoraSpec, register_local_model
-    from tinker_sdk_helpers import max_weight_difference, saved_weights
 
     conversations = Path(tinker_cookbook.__file__).parent / "example_data" / "conversations.jsonl"
     batch_size, steps, lr = 8, 6, 2e-2
@@ -350,7 +347,8 @@ def test_off_policy_distillation_lowers_the_students_loss(server, cookbook_env, 
     config = train_off_policy.Config(
         learning_rate=lr, model_name=QWEN, recipe_name="recipe_distillation_off_policy", renderer_name="qwen3",
         dataset_configs=[train_off_policy.DatasetWithTeacher(
-            dataset_builder=builder, teacher_config=TeacherConfig(base_model=QWEN, load_checkpoint_path=teacher_path))],
+            dataset_builder=builder,
+            teacher_config=TeacherConfig(base_model=QWEN, load_checkpoint_path=teacher_path))],
         n_teacher_targets=vocab, batch_size=batch_size, max_steps=steps, save_every=0, eval_every=0,
         load_checkpoint_path=start, log_path=str(log_path), base_url=server.base_url)
     asyncio.run(train_off_policy.main(config))

@@ -12,7 +12,6 @@ import json
 from pathlib import Path
 
 import pytest
-
 from tinker_sdk_helpers import require
 
 require("tinker")

@@ -14,16 +14,15 @@ from typing import Iterator
 import numpy as np
 import pytest
 import torch
-
 from tinker_sdk_helpers import NAMED_MODEL, require
 
 tinker = require("tinker")
 require("transformers")
-from tinker import types  # noqa: E402
-
-from tinker_sdk_helpers import API_KEY, RESULT_TIMEOUT_S, adam  # noqa: E402
-from deepspeed_tinker.api import ApiSettings, TinkerApi  # noqa: E402
 from http_in_process import handle  # noqa: E402
+from tinker import types  # noqa: E402
+from tinker_sdk_helpers import API_KEY, RESULT_TIMEOUT_S, adam  # noqa: E402
+
+from deepspeed_tinker.api import ApiSettings, TinkerApi  # noqa: E402
 from deepspeed_tinker.model import BASE_MODELS, build_model, parse_base_model, register_local_model  # noqa: E402
 from deepspeed_tinker.scheduler import FutureStore, Scheduler  # noqa: E402
 

@@ -17,15 +17,20 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from tinker_sdk_helpers import require
 
 tinker = require("tinker")
 from tinker import types  # noqa: E402
+from tinker_sdk_helpers import (  # noqa: E402
+    API_KEY,
+    RESULT_TIMEOUT_S,
+    PlainReplay,
+    adam,
+    assert_trained_like_replay,
+    reference_elementwise_loss,
+)
 
 from deepspeed_tinker.model import LoraSpec  # noqa: E402
-from tinker_sdk_helpers import (API_KEY, RESULT_TIMEOUT_S, PlainReplay, adam, assert_trained_like_replay,  # noqa: E402
-                                reference_elementwise_loss)
 
 pytestmark = pytest.mark.pr("zero-0-1")
 

@@ -16,10 +16,11 @@ from tinker_sdk_helpers import require
 require("transformers")
 require("peft")
 
-from deepspeed_tinker.model import LoraSpec, build_model, register_local_model  # noqa: E402
-from deepspeed_tinker.sampler import StopStrings, generate, score, _decoder  # noqa: E402
-from deepspeed_tinker.sampling import SampleJob, SnapshotRef  # noqa: E402
 from sampling_reference import generate_reference  # noqa: E402
+
+from deepspeed_tinker.model import LoraSpec, build_model, register_local_model  # noqa: E402
+from deepspeed_tinker.sampler import StopStrings, _decoder, generate, score  # noqa: E402
+from deepspeed_tinker.sampling import SampleJob, SnapshotRef  # noqa: E402
 
 pytestmark = pytest.mark.pr("zero-0-1")
 

@@ -13,14 +13,19 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from tinker_sdk_helpers import require
 
 tinker = require("tinker")
 from tinker import types  # noqa: E402
-
-from tinker_sdk_helpers import (API_KEY, RESULT_TIMEOUT_S, adam, max_weight_difference, random_data,  # noqa: E402
-                                saved_weights, to_sdk)
+from tinker_sdk_helpers import (  # noqa: E402
+    API_KEY,
+    RESULT_TIMEOUT_S,
+    adam,
+    max_weight_difference,
+    random_data,
+    saved_weights,
+    to_sdk,
+)
 
 pytestmark = pytest.mark.pr("zero-0-1")
 

@@ -13,15 +13,14 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-
 from tinker_sdk_helpers import require
 
 tinker = require("tinker")
 from tinker import types  # noqa: E402
+from tinker_sdk_helpers import API_KEY, RESULT_TIMEOUT_S, adam, reference_elementwise_loss  # noqa: E402
 
 from deepspeed_tinker.stability import RECORD_TTL_S, StabilityRecords, resolve_provenance  # noqa: E402
 from deepspeed_tinker.wire import Datum, Span, UserError  # noqa: E402
-from tinker_sdk_helpers import API_KEY, RESULT_TIMEOUT_S, adam, reference_elementwise_loss  # noqa: E402
 
 pytestmark = pytest.mark.pr("zero-0-1")
 PROMPT = (5, 6, 7)
