@@ -40,7 +40,7 @@ def main(out_dir: Path, zero_stage: int, dtype: str, model_dir: str) -> None:
 
     from deepspeed_tinker.api import ModelRecord
     from deepspeed_tinker.commands import run_command
-    from deepspeed_tinker.jobs import JobKind
+    from deepspeed_tinker.jobs import AdamParams, JobKind
     from deepspeed_tinker.model import LoraSpec, register_local_model
     from deepspeed_tinker.sampler import capture_weights
     from deepspeed_tinker.worker import Worker
@@ -51,8 +51,7 @@ def main(out_dir: Path, zero_stage: int, dtype: str, model_dir: str) -> None:
     rng = np.random.default_rng(0)
     data = tuple(Datum(t[:-1].astype(np.int64), t[1:].astype(np.int64), np.ones(len(t) - 1, np.float32))
                  for t in (rng.integers(0, 256, n) for n in (9, 14, 6, 11)))
-    adam = {"learning_rate": 1e-2, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.0,
-            "grad_clip_norm": 0.0}
+    adam = AdamParams(learning_rate=1e-2, eps=1e-8)
     report: dict = {"rank": rank, "world": world}
 
     def inner(model_id: str) -> torch.nn.Module:
