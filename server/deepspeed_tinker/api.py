@@ -175,6 +175,10 @@ def _weights_meta(record: ModelRecord) -> WeightsMeta:
     return WeightsMeta(record.base_model, record.lora.__dict__ if record.lora else None)
 
 
+#: A POST route's handler: (headers keyed in lower case, body) -> response.
+PostHandler = Callable[[dict[str, str], bytes], Response]
+
+
 class TinkerApi:
     """Request handling, independent of the HTTP server so tests can call it directly."""
 
@@ -199,7 +203,7 @@ class TinkerApi:
         self._last_reap = 0.0
         self.metrics = ServerMetrics(scheduler, self.sessions)
         self.futures.on_finish = self._on_finish
-        self._posts: dict[str, Callable[[dict[str, str], bytes], Response]] = {
+        self._posts: dict[str, PostHandler] = {
             "client/config": self._client_config,
             "client/dynamic_config": lambda h, b: json_response({}),
             "create_session": self._create_session,
@@ -220,16 +224,13 @@ class TinkerApi:
 
     # ----------------------------------------------------------------- dispatch
 
-    def post_routes(self) -> tuple[str, ...]:
-        """The POST routes ``post`` serves (under ``/api/v1/``)."""
-        return tuple(self._posts)
+    def post_routes(self) -> dict[str, PostHandler]:
+        """The POST routes under ``/api/v1/`` and their handlers: ``http_app`` declares one route for each."""
+        return dict(self._posts)
 
-    def post(self, route: str, headers: dict[str, str], body: bytes) -> Response:
-        """One POST under ``/api/v1/`` (``http_app`` routes here; headers keyed in lower case): a repeated
-        ``X-Idempotency-Key`` gets the first response again, a UserError is a 400 naming the problem."""
-        handler = self._posts.get(route)
-        if handler is None:
-            return error_response(404, f"no such endpoint {API}{route}")
+    def post(self, handler: PostHandler, headers: dict[str, str], body: bytes) -> Response:
+        """One POST through its route's handler (headers keyed in lower case): a repeated ``X-Idempotency-Key``
+        gets the first response again, a UserError is a 400 naming the problem, a full session or store a 429."""
         key = headers.get("x-idempotency-key")
         if key:
             with self._lock:

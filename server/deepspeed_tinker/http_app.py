@@ -37,7 +37,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from tinker import types
 
-from .api import API, TinkerApi
+from .api import API, PostHandler, TinkerApi
 from .download_urls import PREFIX as DOWNLOADS
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .responses import Response, error_response, json_response
@@ -181,25 +181,25 @@ def build_app(api: TinkerApi, settings: HttpSettings = HttpSettings()) -> FastAP
             return body
         return to_http(await api.retrieve_future(body.request_id, request.headers.get("accept", "")))
 
-    async def validated_post(route: str, model: type, request: Request) -> HttpResponse:
+    async def validated_post(handler: PostHandler, model: type, request: Request) -> HttpResponse:
         raw = await request.body()
         invalid = _parse(model, raw)
         if isinstance(invalid, HttpResponse):
             return invalid
-        return await _post(route, request, raw)
+        return await _post(handler, request, raw)
 
-    async def _post(route: str, request: Request, raw: bytes | None = None) -> HttpResponse:
+    async def _post(handler: PostHandler, request: Request, raw: bytes | None = None) -> HttpResponse:
         body = await request.body() if raw is None else raw
         headers = {k.lower(): v for k, v in request.headers.items()}
-        return to_http(await run_in_threadpool(api.post, route, headers, body))
+        return to_http(await run_in_threadpool(api.post, handler, headers, body))
 
     typed = {"get_info": types.GetInfoRequest, "session_heartbeat": types.SessionHeartbeatRequest,
              "create_sampling_session": types.CreateSamplingSessionRequest}
-    for route in api.post_routes():
+    for route, handler in api.post_routes().items():  # routed once: each route is bound to its handler
         if route in typed:
-            endpoint = _bind(validated_post, route, typed[route])
+            endpoint = _bind(validated_post, handler, typed[route])
         else:
-            endpoint = _bind(_post, route)
+            endpoint = _bind(_post, handler)
         v1.add_api_route(f"/{route}", endpoint, methods=["POST"], name=route)
 
     @v1.post("/sessions/{session_id}/finish")
