@@ -195,7 +195,7 @@ class TinkerApi:
         self._replies: collections.OrderedDict[str, Response] = collections.OrderedDict()
         self._samplers: dict[str, SamplingSession] = {}
         self._samples: dict[tuple[str, int], Response] = {}  # (sampling session, seq_id) -> first reply
-        self.stability = StabilityRecords(self._sample_result)
+        self.stability = StabilityRecords()
         self._rng = np.random.default_rng()
         self.store = CheckpointStore(settings.checkpoint_root)
         self.runs = RunsApi(self.store)
@@ -360,7 +360,8 @@ class TinkerApi:
                 self._models.pop(model_id, None)
                 self._creates.pop(model_id, None)
         for model_id in model_ids:
-            self.scheduler.close_model(model_id)
+            self.scheduler.close_model(model_id, f"session {session_id} was finished by its client before the "
+                                       "seq_id this request waited behind arrived")
             self.scheduler.submit(JobKind.UNLOAD, model_id, internal=True, session=session_id)
         return json_response({})
 
@@ -777,6 +778,9 @@ class TinkerApi:
                                                session=self._session_of(str(sampler_id)) if sampler_id else "")
             if request.get("record_stability_info"):
                 self.stability.record(self._sampler_session(str(sampler_id)), sequence_ids, request_id, job.prompt)
+                finished = self.futures.wait(request_id, 0)
+                if finished is not None and finished.status != "pending":  # before it was recorded: settle it now
+                    self.stability.finished(request_id, finished.result)
         except UserError as e:
             request_id = self._failed_request(str(e), session=self._session_of(str(sampler_id)))
         response = json_response({"request_id": request_id, "sample_sequence_ids": sequence_ids})
@@ -793,13 +797,8 @@ class TinkerApi:
         return sampler_id.rsplit(":sample:", 1)[0]
 
     def _on_finish(self, future: Future) -> None:
-        self.metrics.observe(future)
         self.stability.finished(future.request_id, future.result if isinstance(future.result, SampleResult) else None)
-
-    def _sample_result(self, request_id: str) -> SampleResult | None:
-        """A finished sample's result (for ``stable_reinforce``'s records); None while pending or failed."""
-        future = self.futures.wait(request_id, 0)
-        return future.result if future is not None and isinstance(future.result, SampleResult) else None
+        self.metrics.observe(future)
 
     # ------------------------------------------------------------------- futures
 

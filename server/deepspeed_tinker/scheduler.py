@@ -157,10 +157,12 @@ class FutureStore:
                 "requests finish")
 
     def retrieved(self, request_id: str) -> None:
-        """The client has a finished future's result: free it after the grace (a retry of a lost response)."""
+        """The client has a finished future's result: free it a grace after its last retrieval (time for a retry of
+        a lost or slow response)."""
         with self._cond:
-            if request_id in self._finished and request_id not in self._retrieved:
+            if request_id in self._finished:
                 self._retrieved[request_id] = self._clock()
+                self._retrieved.move_to_end(request_id)
 
     def _forget(self, request_id: str) -> None:
         self._finished.pop(request_id, None)
@@ -321,9 +323,14 @@ class Scheduler:
                                                     session=model_id if session is None else session)
             return True
 
-    def close_model(self, model_id: str) -> None:
+    def close_model(self, model_id: str, message: str) -> None:
+        """Stop ordering a model's requests: those released still run; those held back behind a ``seq_id`` that
+        never came can never run, so they fail with ``message`` (a user error) instead of staying pending."""
         with self._lock:
-            self._models.pop(model_id, None)
+            sequence = self._models.pop(model_id, None)
+        for job in sequence.waiting.values() if sequence is not None else ():
+            if job is not None:
+                self.futures.fail(job.request_id, message, "user")
 
     def has_model(self, model_id: str) -> bool:
         with self._lock:
@@ -373,8 +380,10 @@ class Scheduler:
                 return sequence.seen[seq_id]
             if seq_id < sequence.next_seq:
                 raise ValueError(f"seq_id {seq_id} of model {model_id} already ran (next is {sequence.next_seq})")
-            # A seq_id that later requests wait behind releases work already accepted: it is never refused
-            future = self.futures.create(sequence.session, internal=any(seq > seq_id for seq in sequence.waiting))
+            # The seq_id that held-back requests wait for releases work already accepted: it is never refused (a
+            # later one is, until then: otherwise a client could queue without bound behind one far-off seq_id)
+            releases_held_work = seq_id == sequence.next_seq and bool(sequence.waiting)
+            future = self.futures.create(sequence.session, internal=releases_held_work)
             self.futures.describe(future.request_id, kind, model_id)
             sequence.seen[seq_id] = future.request_id
             if rejection is not None:

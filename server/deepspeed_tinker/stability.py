@@ -51,9 +51,7 @@ class Recorded:
 class StabilityRecords:
     """``sequence_id`` -> the sampled sequence, for the sequences of ``record_stability_info`` requests."""
 
-    def __init__(self, lookup: Callable[[str], Any], clock: Callable[[], float] = time.monotonic) -> None:
-        #: request_id -> the finished sample's ``SampleResult`` (None while pending or when forgotten).
-        self._lookup = lookup
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
         self._records: OrderedDict[str, _Record] = OrderedDict()
         #: request_id -> its records, until the sample finishes (``finished``).
@@ -61,19 +59,19 @@ class StabilityRecords:
         self._lock = threading.Lock()
 
     def record(self, session_id: str, sequence_ids: list[str], request_id: str, prompt: tuple[int, ...]) -> None:
+        """Record a sample's sequences; ``finished`` gives them its result (the caller calls it too when the sample
+        finished before it was recorded)."""
         now = self._clock()
         with self._lock:
             records = [_Record(session_id, prompt, request_id, index, now) for index in range(len(sequence_ids))]
-            self._records.update(zip(sequence_ids, records))
-            self._awaiting[request_id] = records
+            self._records.update(zip(sequence_ids, records, strict=True))
+            self._awaiting.setdefault(request_id, []).extend(records)
             while len(self._records) > MAX_RECORDS:
                 self._records.popitem(last=False)
-        result = self._lookup(request_id)  # the sample may have finished before it was recorded
-        if result is not None:
-            self.finished(request_id, result)
 
     def finished(self, request_id: str, result: Any) -> None:
-        """A sample's future finished with ``result`` (None: it failed): its records keep it."""
+        """A sample's future finished with ``result`` (None or anything else than a ``SampleResult``: it failed):
+        its records keep it."""
         with self._lock:
             for record in self._awaiting.pop(request_id, ()):
                 record.result = result

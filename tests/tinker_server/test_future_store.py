@@ -75,17 +75,47 @@ def test_a_retrieved_result_is_freed_after_the_grace_and_an_unretrieved_one_afte
     futures.resolve(unread.request_id, 2)
     futures.retrieved(read.request_id)
     clock.now += 30
-    futures.retrieved(read.request_id)  # a retry of a lost response: the grace runs from the first retrieval
+    futures.retrieved(read.request_id)  # a retry of a lost response: the grace runs from the last retrieval
+    clock.now += 59
     assert futures.wait(read.request_id, 0).result == 1, "kept for a retry"
     with pytest.raises(FutureStoreFull, match="session s holds 2"):
         futures.create("s")
-    clock.now += 30
+    clock.now += 1
     assert futures.create("s"), "the retrieved result is freed after the grace: room again"
     assert futures.wait(read.request_id, 0) is None
     assert futures.wait(unread.request_id, 0).result == 2, "a result nobody retrieved waits for its TTL"
     clock.now += 3600
     futures.create("t")
     assert futures.wait(unread.request_id, 0) is None
+
+
+def test_only_the_seq_id_held_work_waits_for_passes_a_full_session() -> None:
+    """The exemption is for the request that releases accepted work, not for every seq_id below a far-off one: a
+    client cannot queue without bound behind seq_id 1000."""
+    futures = FutureStore(max_futures=100, max_per_session=3)
+    scheduler = Scheduler(futures)
+    scheduler.open_model("m", session="s")
+    scheduler.submit_sequenced("m", 1000, "optim_step", "far")
+    scheduler.submit_sequenced("m", 3, "optim_step", "c")
+    scheduler.submit_sequenced("m", 4, "optim_step", "d")
+    with pytest.raises(FutureStoreFull, match="--max-futures-per-session"):
+        scheduler.submit_sequenced("m", 5, "optim_step", "e")
+    with pytest.raises(FutureStoreFull):
+        scheduler.submit_sequenced("m", 2, "optim_step", "b")  # not yet the one the others wait for
+    assert scheduler.submit_sequenced("m", 1, "optim_step", "a"), "seq 1 releases held work: let in"
+    assert [scheduler.next_job(timeout=0).payload for _ in range(1)] == ["a"]
+
+
+def test_a_finished_sessions_held_back_requests_fail_instead_of_waiting_forever() -> None:
+    futures = FutureStore()
+    scheduler = Scheduler(futures)
+    scheduler.open_model("m", session="s")
+    queued = scheduler.submit_sequenced("m", 1, "optim_step", "a")
+    held = scheduler.submit_sequenced("m", 3, "optim_step", "c")  # waits for seq 2, which never comes
+    scheduler.close_model("m", "session s was finished")
+    assert futures.wait(held, 0).status == "error" and futures.wait(held, 0).error == "session s was finished"
+    assert futures.wait(queued, 0).status == "pending", "released work still runs"
+    assert scheduler.next_job(timeout=0).request_id == queued
 
 
 def test_a_refused_request_leaves_no_trace_and_the_slot_that_releases_work_is_never_refused(tmp_path: Path) -> None:

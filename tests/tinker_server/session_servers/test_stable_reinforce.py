@@ -39,10 +39,11 @@ def records(clock: Clock | None = None) -> StabilityRecords:
     """Two sequences of session ``s`` sampled by one request (``req-1``), and one of session ``other``."""
     result = SimpleNamespace(sequences=[SimpleNamespace(tokens=SAMPLED, logprobs=SAMPLER_LOGPROBS),
                                         SimpleNamespace(tokens=SAMPLED[::-1], logprobs=SAMPLER_LOGPROBS[::-1])])
-    store = StabilityRecords({"req-1": result}.get, clock or Clock())
+    store = StabilityRecords(clock or Clock())
     store.record("s", ["a", "b"], "req-1", PROMPT)
     store.record("other", ["c"], "req-1", PROMPT)
     store.record("s", ["pending"], "req-2", PROMPT)
+    store.finished("req-1", result)  # as the future store reports it; req-2 is still sampling
     return store
 
 
