@@ -31,12 +31,13 @@ MAX_RECORDS = 200_000
 class _Record:
     session_id: str
     prompt: tuple[int, ...]
-    #: The sample's future and the sequence's index in its result (the result once sampling finished: kept here,
-    #: since the future store frees it once the client has retrieved it).
+    #: The sample's future and the sequence's index in its result.
     request_id: str
     index: int
     last_used: float
-    result: Any = None
+    #: The sequence's tokens and the sampler's logprobs, once sampling finished (kept here, not the whole result:
+    #: the future store frees that once the client has retrieved it).
+    sampled: tuple[np.ndarray, np.ndarray] | None = None
 
 
 @dataclass(frozen=True)
@@ -72,9 +73,12 @@ class StabilityRecords:
     def finished(self, request_id: str, result: Any) -> None:
         """A sample's future finished with ``result`` (None or anything else than a ``SampleResult``: it failed):
         its records keep it."""
+        sequences = getattr(result, "sequences", None)
         with self._lock:
             for record in self._awaiting.pop(request_id, ()):
-                record.result = result
+                if sequences is not None:
+                    sequence = sequences[record.index]
+                    record.sampled = (np.asarray(sequence.tokens, np.int64), np.asarray(sequence.logprobs, np.float32))
 
     def get(self, sequence_id: str, session_id: str) -> Recorded:
         """The recorded sequence, for a training request of ``session_id``; using it restarts its day."""
@@ -89,12 +93,10 @@ class StabilityRecords:
                                 "record_stability_info=True in the same session; records expire a day after "
                                 "their last use)")
             record.last_used = now
-            result = record.result
-        if result is None:
+            sampled = record.sampled
+        if sampled is None:
             raise UserError(f"sequence {sequence_id!r} is not sampled yet, or its sample failed")
-        sequence = result.sequences[record.index]
-        return Recorded(np.asarray(record.prompt, np.int64), np.asarray(sequence.tokens, np.int64),
-                        np.asarray(sequence.logprobs, np.float32))
+        return Recorded(np.asarray(record.prompt, np.int64), *sampled)
 
 
 def _claimed(recorded: Recorded, span: Span, where: str) -> np.ndarray:
