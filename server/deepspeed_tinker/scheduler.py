@@ -70,7 +70,7 @@ class FutureStore:
     HTTP long poll holds no thread while it waits).
 
     Bounded per session without losing work: a pending future is never dropped; a finished one is kept until
-    ``retrieved_grace_s`` after the client retrieved it (long enough for the SDK to retry a lost response) or
+    ``retrieved_grace_s`` after the client last retrieved it (long enough for the SDK to retry a lost response) or
     ``finished_ttl_s`` after it finished, whichever comes first (then ``retrieve_future`` answers 404). A session
     holding ``max_per_session`` futures, or a store holding ``max_futures``, makes ``create`` raise
     FutureStoreFull, which the API answers with 429: one session's flood is refused while the others go on.
@@ -82,7 +82,7 @@ class FutureStore:
         self._futures: collections.OrderedDict[str, Future] = collections.OrderedDict()
         #: request_id -> when it finished, oldest first.
         self._finished: collections.OrderedDict[str, float] = collections.OrderedDict()
-        #: request_id -> when the client first retrieved it, oldest first (each is in ``_finished`` too).
+        #: request_id -> when the client last retrieved it, oldest first (each is in ``_finished`` too).
         self._retrieved: collections.OrderedDict[str, float] = collections.OrderedDict()
         #: session -> the futures it holds (pending, or finished and kept).
         self._held: collections.Counter[str] = collections.Counter()

@@ -55,8 +55,9 @@ def _open_model(client: _Client) -> str:
     status, model = client.post("create_model", {"session_id": session["session_id"], "model_seq_id": 0,
                                                  "base_model": "tiny-llama-byte", "lora_config": {"rank": 4}})
     assert status == 200, model
+    deadline = time.monotonic() + 300
     while client.post("retrieve_future", {"request_id": model["request_id"]})[1].get("type") == "try_again":
-        pass
+        assert time.monotonic() < deadline, "the model was not created in 300 s"
     return model["model_id"]
 
 

@@ -7,7 +7,7 @@ from typing import Iterator
 
 import pytest
 from http_load import run_load
-from tinker_sdk_helpers import require, start_server, stop_server
+from tinker_sdk_helpers import require, served
 
 pytestmark = pytest.mark.pr("zero-0-1")
 MAX_FUTURES = 2000
@@ -22,11 +22,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
     # Results unread would be kept an hour: at most 2000 / 3600 s = 0.6 requests a second if results were held
     # for their TTL, as they were before; freed a second after they are read, 2000 a second
     options = ("--max-futures", str(MAX_FUTURES), "--future-ttl-s", "3600", "--retrieved-grace-s", str(GRACE_S))
-    server = start_server(tmp_path_factory.mktemp("tinker-load"), 1, extra_args=options)
-    try:
+    with served(tmp_path_factory.mktemp("tinker-load"), 1, extra_args=options) as server:
         yield server
-    finally:
-        stop_server(server)
 
 
 def test_a_load_of_read_results_far_past_the_store_size_gets_no_429(server) -> None:

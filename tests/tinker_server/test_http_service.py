@@ -19,18 +19,7 @@ from typing import Iterator
 
 import numpy as np
 import pytest
-from tinker_sdk_helpers import (
-    API_KEY,
-    fwdbwd_proto,
-    log_tail,
-    poll_once,
-    post,
-    random_data,
-    require,
-    result,
-    start_server,
-    stop_server,
-)
+from tinker_sdk_helpers import API_KEY, fwdbwd_proto, log_tail, poll_once, post, random_data, require, result, served
 
 pytestmark = pytest.mark.pr("zero-0-1")
 LIMIT = 1 << 20
@@ -45,11 +34,8 @@ def limited_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
     tmp_dir = tmp_path_factory.mktemp("tinker-http")
     options = ("--max-body-bytes", str(LIMIT), "--long-poll-s", str(LONG_POLL_S), "--max-futures", str(MAX_FUTURES),
                "--future-ttl-s", str(FUTURE_TTL_S))
-    server = start_server(tmp_dir, 1, extra_args=options)
-    try:
+    with served(tmp_dir, 1, extra_args=options) as server:
         yield server
-    finally:
-        stop_server(server)
 
 
 def connection(base_url: str) -> http.client.HTTPConnection:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import json
@@ -11,7 +12,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import pytest
@@ -128,6 +129,16 @@ def log_tail(server, lines: int = 40) -> str:
         return "\n".join(server.log_path.read_text(errors="replace").splitlines()[-lines:])
     except OSError:
         return "(no log)"
+
+
+@contextlib.contextmanager
+def served(tmp_dir: Path, zero_stage: int, **start: Any) -> Iterator:
+    """``start_server``'s server for the ``with`` block (a module fixture's body), stopped by ``stop_server``."""
+    server = start_server(tmp_dir, zero_stage, **start)
+    try:
+        yield server
+    finally:
+        stop_server(server)
 
 
 def stop_server(server) -> None:
