@@ -14,7 +14,6 @@ import json
 import logging
 import math
 import random
-import re
 import threading
 import time
 from dataclasses import asdict, dataclass, replace
@@ -24,7 +23,9 @@ from typing import Any, Callable
 import numpy as np
 
 from .checkpoint_files import directory_size, parse_age_recipients
-from .checkpoint_store import CheckpointStore
+from .checkpoint_store import CheckpointStore, TinkerPath
+from .checkpoint_store import checkpoint_dir as checkpoint_dir
+from .checkpoint_store import parse_tinker_path as parse_tinker_path
 from .jobs import (
     AdamParams,
     CheckpointRecord,
@@ -36,11 +37,12 @@ from .jobs import (
     WeightsMeta,
 )
 from .metrics import ServerMetrics
-from .model import BASE_MODELS, DEFAULT_LORA_RANK, BaseModelSpec, LoraSpec
+from .model import BASE_MODELS, DEFAULT_LORA_RANK, LoraSpec
 from .responses import Response, error_response, json_response
-from .rest_api import RunsApi, parse_ttl
+from .runs_api import RunsApi, parse_ttl
 from .sampling import SampleResult, SnapshotRef, encode_sample_response, parse_sample, sample_response_json
 from .scheduler import Future, FutureStore, FutureStoreFull, QueuePosition, Scheduler
+from .sessions import ModelRecord, SamplingSession, SessionRegistry, session_of
 from .stability import StabilityRecords, resolve_provenance
 from .wire import (
     PROTO_CONTENT_TYPE,
@@ -66,23 +68,6 @@ DEFAULT_SESSION_TIMEOUT_S = 120.0
 #: datums/s in requests of 8, 234 in requests of 32 and 240 in one of 64 (docs/tinker-server/service.md); 32 is
 #: within 3 % of the best at half its per-rank activation memory and job length.
 DEFAULT_MAX_CHUNK_DATUMS = 32
-CHECKPOINT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-
-
-@dataclass(frozen=True)
-class ModelRecord:
-    """What the protocol layer knows about a training model (the weights live on the ranks)."""
-
-    model_id: str
-    session_id: str
-    base_model: str
-    lora: LoraSpec | None
-    #: What the client attached at creation; listed with the training run.
-    user_metadata: dict[str, Any] | None = None
-
-    @property
-    def spec(self) -> BaseModelSpec:
-        return BASE_MODELS[self.base_model]
 
 
 @dataclass(frozen=True)
@@ -103,19 +88,6 @@ class ApiSettings:
     session_timeout_s: float = DEFAULT_SESSION_TIMEOUT_S
 
 
-def parse_tinker_path(path: str, kinds: tuple[str, ...] = ("weights", )) -> tuple[str, str]:
-    """``tinker://<model_id>/weights/<name>`` -> (model_id, name); ``kinds`` also allows ``sampler_weights``."""
-    parts = path[len("tinker://"):].split("/") if path.startswith("tinker://") else []
-    if len(parts) != 3 or parts[1] not in kinds or not CHECKPOINT_NAME.match(parts[2]) or not parts[0]:
-        raise UserError(f"not a checkpoint path of this server: {path!r} "
-                        f"(expected tinker://<model_id>/{'|'.join(kinds)}/<name>)")
-    return parts[0], parts[2]
-
-
-def checkpoint_dir(root: Path, model_id: str, name: str, kind: str = "weights") -> Path:
-    return root / model_id.replace("/", "_") / kind / name
-
-
 def canonical_base_model(name: str) -> str:
     """A served model's name: built-in names as they are, local models by absolute path (``~`` and
     relative spellings of a served directory resolve to it)."""
@@ -126,14 +98,6 @@ def canonical_base_model(name: str) -> str:
         if resolved in BASE_MODELS:
             return resolved
     raise UserError(f"unknown base_model {name!r}; this server has {sorted(BASE_MODELS)}")
-
-
-@dataclass(frozen=True)
-class SamplingSession:
-    sampling_session_id: str
-    base_model: str
-    model_path: str | None
-    snapshot: SnapshotRef
 
 
 def queue_state(position: QueuePosition | None) -> tuple[str, str]:
@@ -187,19 +151,13 @@ class TinkerApi:
         self.futures: FutureStore = scheduler.futures
         self.settings = settings
         self._lock = threading.Lock()
-        self._sessions: dict[str, set[str]] = {}  # session_id -> model ids
-        self._seen: dict[str, float] = {}  # session_id -> its last heartbeat or request (time.monotonic)
-        self._closed: collections.OrderedDict[str, str] = collections.OrderedDict()  # session_id -> why closed
-        self._models: dict[str, ModelRecord] = {}
-        self._creates: dict[str, str] = {}  # model_id -> the future its creation reported
+        self.registry = SessionRegistry()
         self._replies: collections.OrderedDict[str, Response] = collections.OrderedDict()
-        self._samplers: dict[str, SamplingSession] = {}
         self._samples: dict[tuple[str, int], Response] = {}  # (sampling session, seq_id) -> first reply
         self.stability = StabilityRecords()
         self._rng = np.random.default_rng()
         self.store = CheckpointStore(settings.checkpoint_root)
         self.runs = RunsApi(self.store)
-        self._touched: dict[str, float] = {}  # model_id -> when its run's last_request_time was last written
         self._last_reap = 0.0
         self.metrics = ServerMetrics(scheduler, self.sessions)
         self.futures.on_finish = self._on_finish
@@ -255,8 +213,7 @@ class TinkerApi:
              "sampleable": True} for name, spec in BASE_MODELS.items()]})
 
     def sampler(self, sampler_id: str) -> Response:
-        with self._lock:
-            sampler = self._samplers.get(sampler_id)
+        sampler = self.registry.find_sampler(sampler_id)
         if sampler is None:
             return error_response(404, f"unknown sampler {sampler_id!r}")
         return json_response({"sampler_id": sampler.sampling_session_id, "base_model": sampler.base_model,
@@ -276,10 +233,7 @@ class TinkerApi:
 
     def _create_session(self, headers: dict[str, str], body: bytes) -> Response:
         parse_json(body)
-        session_id = f"s{random.getrandbits(48):012x}"
-        with self._lock:
-            self._sessions[session_id] = set()
-            self._seen[session_id] = time.monotonic()
+        session_id = self.registry.open()
         return json_response({"type": "create_session", "session_id": session_id})
 
     # ---------------------------------------------------------- session lifetime
@@ -287,31 +241,9 @@ class TinkerApi:
     def _heartbeat(self, headers: dict[str, str], body: bytes) -> Response:
         """Keep a session alive; a closed or unknown one gets 410, on which the SDK stops its heartbeat loop."""
         session_id = str(parse_json(body).get("session_id", ""))
-        if not self._touch_session(session_id):
-            return error_response(410, self._session_gone(session_id))
+        if not self.registry.touch(session_id):
+            return error_response(410, self.registry.gone(session_id))
         return json_response({"type": "session_heartbeat"})
-
-    def _touch_session(self, session_id: str) -> bool:
-        """Note that a session is in use (a heartbeat or any request of it); False if it is not open."""
-        with self._lock:
-            if session_id not in self._sessions:
-                return False
-            self._seen[session_id] = time.monotonic()
-            return True
-
-    def _session_gone(self, session_id: str) -> str:
-        """Why a session is not open: closed (and why), or unknown to this server."""
-        with self._lock:
-            reason = self._closed.get(session_id)
-        if reason is not None:
-            return f"session {session_id} was closed: {reason}; create a new ServiceClient"
-        return (f"unknown session {session_id!r} (closed, or from before a restart of this server); create a new "
-                "ServiceClient")
-
-    def _check_session(self, session_id: str) -> None:
-        """UserError unless ``session_id`` is open; marks it as in use."""
-        if not self._touch_session(session_id):
-            raise UserError(self._session_gone(session_id))
 
     def expire_sessions(self, now: float | None = None) -> list[str]:
         """Close the sessions without a heartbeat or request for ``session_timeout_s``: their models are unloaded on
@@ -320,8 +252,7 @@ class TinkerApi:
         if timeout <= 0:
             return []
         now = time.monotonic() if now is None else now
-        with self._lock:
-            expired = [(session_id, now - seen) for session_id, seen in self._seen.items() if now - seen > timeout]
+        expired = self.registry.idle(now, timeout)
         for session_id, idle in expired:
             self._close_session(session_id, f"no heartbeat for {idle:.0f} s, over this server's timeout of "
                                 f"{timeout:g} s (--session-timeout-s)")
@@ -330,19 +261,7 @@ class TinkerApi:
     def _close_session(self, session_id: str, reason: str) -> int:
         """Forget a session's models and sampling sessions, fail its waiting requests, unload its models on every
         rank; the number of models unloaded."""
-        with self._lock:
-            model_ids = self._sessions.pop(session_id, set())
-            self._seen.pop(session_id, None)
-            self._closed[session_id] = reason
-            while len(self._closed) > 100_000:
-                self._closed.popitem(last=False)
-            for model_id in model_ids:
-                self._models.pop(model_id, None)
-                self._creates.pop(model_id, None)
-                self._touched.pop(model_id, None)
-            prefix = f"{session_id}:sample:"
-            for sampler_id in [s for s in self._samplers if s.startswith(prefix)]:
-                del self._samplers[sampler_id]
+        model_ids = self.registry.close(session_id, reason)
         message = f"session {session_id} was closed: {reason}"
         self.scheduler.drop_session(session_id, message)
         for model_id in sorted(model_ids):  # internal: bookkeeping is never refused; in the session's turns
@@ -352,13 +271,7 @@ class TinkerApi:
 
     def finish_session(self, session_id: str) -> Response:
         """The client is done with a session: its queued requests still run, then its models are unloaded."""
-        with self._lock:
-            model_ids = self._sessions.pop(session_id, set())
-            self._seen.pop(session_id, None)
-            self._closed[session_id] = "finished by its client"
-            for model_id in model_ids:
-                self._models.pop(model_id, None)
-                self._creates.pop(model_id, None)
+        model_ids = self.registry.close(session_id, "finished by its client", samplers=False)
         for model_id in model_ids:
             self.scheduler.close_model(model_id, f"session {session_id} was finished by its client before the "
                                        "seq_id this request waited behind arrived")
@@ -367,12 +280,11 @@ class TinkerApi:
 
     def sessions(self) -> int:
         """Open sessions."""
-        with self._lock:
-            return len(self._sessions)
+        return self.registry.count()
 
     def _new_model(self, body: dict[str, Any], lora: LoraSpec | None, base_model: str) -> ModelRecord:
         session_id = str(body.get("session_id", ""))
-        self._check_session(session_id)
+        self.registry.check(session_id)
         base_model = canonical_base_model(base_model)
         optimizer = (body.get("optimizer_config") or {}).get("type", "adamw")
         if optimizer != "adamw":
@@ -387,20 +299,15 @@ class TinkerApi:
         A retried create (same session and ``model_seq_id``) gets the first future back. With the future store
         full it is refused (429) before anything is registered.
         """
-        with self._lock:
-            request_id = self._creates.get(record.model_id)
-            if request_id is None:
-                if record.session_id not in self._sessions:  # closed since _new_model checked it
-                    raise UserError(f"session {record.session_id} was closed: "
-                                    f"{self._closed.get(record.session_id, 'unknown')}")
-                self.futures.check_room(len(jobs), record.session_id)
-                if not self.scheduler.open_model(record.model_id, session=record.session_id):
-                    raise UserError(f"model {record.model_id} already exists")
-                self._models[record.model_id] = record
-                self._sessions[record.session_id].add(record.model_id)
-                for kind, payload in jobs:  # room checked: internal, so none is refused half-way
-                    request_id = self.scheduler.submit(kind, record.model_id, payload, internal=True)
-                self._creates[record.model_id] = request_id
+        def create() -> str:
+            self.futures.check_room(len(jobs), record.session_id)
+            if not self.scheduler.open_model(record.model_id, session=record.session_id):
+                raise UserError(f"model {record.model_id} already exists")
+            for kind, payload in jobs:  # room checked: internal, so none is refused half-way
+                request_id = self.scheduler.submit(kind, record.model_id, payload, internal=True)
+            return request_id
+
+        request_id = self.registry.add_model(record, create)
         return json_response({"request_id": request_id, "model_id": record.model_id})
 
     def _create_model(self, headers: dict[str, str], body: bytes) -> Response:
@@ -437,24 +344,7 @@ class TinkerApi:
         return future.request_id
 
     def model(self, model_id: str) -> ModelRecord:
-        with self._lock:
-            record = self._models.get(model_id)
-            closed = self._closed.get(self._session_of(model_id))
-        if record is None:
-            if closed is not None:
-                raise UserError(f"model {model_id} is gone: its session {self._session_of(model_id)} was closed: "
-                                f"{closed}")
-            raise UserError(f"unknown model id {model_id!r}")
-        return record
-
-    @staticmethod
-    def _session_of(model_or_sampler_id: str) -> str:
-        """The session a model id (``<session>:train:<n>``) or sampling session id (``<session>:sample:<n>``) is
-        of."""
-        for marker in (":train:", ":sample:"):
-            if marker in model_or_sampler_id:
-                return model_or_sampler_id.rsplit(marker, 1)[0]
-        return ""
+        return self.registry.model(model_id)
 
     def tokenizer_id(self, base_model: str) -> str | None:
         """What the SDK's ``get_tokenizer`` loads offline: the model directory, or the byte tokenizer's."""
@@ -487,8 +377,8 @@ class TinkerApi:
         try:
             record = self.model(model_id)
         except UserError as e:
-            return self._failed_future(str(e), session=self._session_of(model_id))
-        self._touch_session(record.session_id)
+            return self._failed_future(str(e), session=session_of(model_id))
+        self.registry.touch(record.session_id)
         if not isinstance(seq_id, int) or seq_id < 1:
             return self._failed_future(f"seq_id must be an integer >= 1, got {seq_id!r}", session=record.session_id)
         self._touch(model_id)
@@ -507,12 +397,8 @@ class TinkerApi:
 
     def _touch(self, model_id: str) -> None:
         """Note the run's last request time (written at most once a second: a step can be many requests)."""
-        now = time.monotonic()
-        with self._lock:
-            if now - self._touched.get(model_id, -1.0) < 1.0:
-                return
-            self._touched[model_id] = now
-        self.store.touch_run(model_id)
+        if self.registry.run_touch_due(model_id):
+            self.store.touch_run(model_id)
 
     def _forward_backward(self, headers: dict[str, str], body: bytes, forward_only: bool = False) -> Response:
         try:
@@ -545,25 +431,21 @@ class TinkerApi:
         request = parse_json(body)
         model_id = str(request.get("model_id", ""))
 
-        def build(record: ModelRecord) -> dict[str, Any]:
-            name = request.get("path") or f"step-{request.get('seq_id')}"
-            if not CHECKPOINT_NAME.match(str(name)):
-                raise UserError(f"checkpoint name {name!r} must match {CHECKPOINT_NAME.pattern}")
-            directory = checkpoint_dir(self.settings.checkpoint_root, model_id, str(name))
-            return SaveWeights(str(directory), f"tinker://{model_id}/weights/{name}",
-                               bool(request.get("overwrite", False)), _weights_meta(record),
-                               self._checkpoint_record(request, model_id, f"weights/{name}", directory))
+        def build(record: ModelRecord) -> SaveWeights:
+            path = TinkerPath.new(model_id, "weights", str(request.get("path") or f"step-{request.get('seq_id')}"))
+            directory = path.directory(self.settings.checkpoint_root)
+            return SaveWeights(str(directory), str(path), bool(request.get("overwrite", False)),
+                               _weights_meta(record), self._checkpoint_record(request, path, directory))
 
         return self._sequenced(model_id, request.get("seq_id"), JobKind.SAVE_WEIGHTS, build)
 
     @staticmethod
-    def _checkpoint_record(request: dict[str, Any], model_id: str, checkpoint_id: str,
-                           directory: Path) -> CheckpointRecord:
+    def _checkpoint_record(request: dict[str, Any], path: TinkerPath, directory: Path) -> CheckpointRecord:
         """What ``record_checkpoint`` records once the save is complete: TTL and metadata, checked now."""
         metadata = request.get("user_metadata")
         if metadata is not None and not isinstance(metadata, dict):
             raise UserError("user_metadata must be an object")
-        return CheckpointRecord(model_id, checkpoint_id, str(directory), parse_ttl(request.get("ttl_seconds")),
+        return CheckpointRecord(path.run_id, path.checkpoint_id, str(directory), parse_ttl(request.get("ttl_seconds")),
                                 metadata or None)
 
     def _listed(self, model_id: str, checkpoint_id: str) -> bool:
@@ -571,10 +453,10 @@ class TinkerApi:
         return self.store.checkpoint(model_id, checkpoint_id) is not None
 
     def _load_source(self, path: str) -> tuple[Path, dict[str, Any]]:
-        source_model, name = parse_tinker_path(path)
-        directory = checkpoint_dir(self.settings.checkpoint_root, source_model, name)
+        source = TinkerPath.parse(path)
+        directory = source.directory(self.settings.checkpoint_root)
         meta_file = directory / "tinker_meta.json"
-        if not meta_file.is_file() or not self._listed(source_model, f"weights/{name}"):
+        if not meta_file.is_file() or not self._listed(source.run_id, source.checkpoint_id):
             raise UserError(f"no checkpoint at {path}")
         return directory, json.loads(meta_file.read_text())
 
@@ -613,20 +495,16 @@ class TinkerApi:
 
         def build(record: ModelRecord) -> SaveSampler:
             lora = record.lora.__dict__ if record.lora else None
-            name = request.get("path")
-            if name:
-                if not CHECKPOINT_NAME.match(str(name)):
-                    raise UserError(f"sampler weights name {name!r} must match {CHECKPOINT_NAME.pattern}")
-                directory = checkpoint_dir(self.settings.checkpoint_root, model_id, str(name), "sampler_weights")
-                path = f"tinker://{model_id}/sampler_weights/{name}"
-                return SaveSampler(path, {"path": path, "type": "save_weights_for_sampler"}, str(directory),
-                                   _weights_meta(record),
-                                   self._checkpoint_record(request, model_id, f"sampler_weights/{name}", directory))
+            if request.get("path"):
+                path = TinkerPath.new(model_id, "sampler_weights", str(request["path"]))
+                directory = path.directory(self.settings.checkpoint_root)
+                return SaveSampler(str(path), {"path": str(path), "type": "save_weights_for_sampler"}, str(directory),
+                                   _weights_meta(record), self._checkpoint_record(request, path, directory))
             seq = request.get("sampling_session_seq_id")
             if not isinstance(seq, int):
                 raise UserError("save_weights_for_sampler needs a path (name) or a sampling_session_seq_id")
             session_id = f"{record.session_id}:sample:{seq}"
-            self._register_sampler(SamplingSession(session_id, record.base_model, None,
+            self.registry.add_sampler(SamplingSession(session_id, record.base_model, None,
                                                    SnapshotRef(snapshot_id, record.base_model, lora)))
             return SaveSampler(snapshot_id, {"sampling_session_id": session_id, "type": "save_weights_for_sampler"})
 
@@ -639,9 +517,7 @@ class TinkerApi:
         model_id = str(request.get("model_id", ""))
 
         def build(record: ModelRecord) -> SaveExternal:
-            name = str(request.get("path") or "")
-            if not CHECKPOINT_NAME.match(name):
-                raise UserError(f"external weights name {name!r} must match {CHECKPOINT_NAME.pattern}")
+            path = TinkerPath.new(model_id, "external_weights", str(request.get("path") or ""))
             recipients = request.get("age_encryption_recipients")
             if recipients is not None:
                 if not isinstance(recipients, list) or not 1 <= len(recipients) <= 10:
@@ -650,13 +526,12 @@ class TinkerApi:
                     parse_age_recipients([str(r) for r in recipients])
                 except ValueError as e:
                     raise UserError(str(e)) from None
-            directory = checkpoint_dir(self.settings.checkpoint_root, model_id, name, "external_weights")
-            path = f"tinker://{model_id}/external_weights/{name}"
+            directory = path.directory(self.settings.checkpoint_root)
             tokenizer = self.tokenizer_id(record.base_model)
             return SaveExternal(str(directory), record.base_model, tokenizer,
                                 tuple(str(r) for r in recipients) if recipients else None,
-                                {"path": path, "type": "save_weights_external"},
-                                self._checkpoint_record(request, model_id, f"external_weights/{name}", directory))
+                                {"path": str(path), "type": "save_weights_external"},
+                                self._checkpoint_record(request, path, directory))
 
         return self._sequenced(model_id, request.get("seq_id"), JobKind.SAVE_EXTERNAL, build)
 
@@ -697,21 +572,17 @@ class TinkerApi:
         self.expire_sessions(now)
         return self.store.reap()
 
-    def _register_sampler(self, session: SamplingSession) -> None:
-        with self._lock:
-            self._samplers.setdefault(session.sampling_session_id, session)
-
     def _snapshot_for_path(self, path: str) -> tuple[str, SnapshotRef]:
         """(base model, weights) of a ``tinker://`` path; a path this server does not have becomes a
         reference that fails, as a user error, when sampled."""
         try:
-            model_id, name = parse_tinker_path(path, ("sampler_weights", "weights"))
+            source = TinkerPath.parse(path, ("sampler_weights", "weights"))
         except UserError as e:
             return "", SnapshotRef(path, "", error=str(e))
-        kind = path.split("/")[3]
-        directory = checkpoint_dir(self.settings.checkpoint_root, model_id, name, kind)
-        meta_file = directory / ("tinker_sampler_meta.json" if kind == "sampler_weights" else "tinker_meta.json")
-        if not meta_file.is_file() or not self._listed(model_id, f"{kind}/{name}"):
+        directory = source.directory(self.settings.checkpoint_root)
+        meta_file = directory / ("tinker_sampler_meta.json" if source.segment == "sampler_weights" else
+                                 "tinker_meta.json")
+        if not meta_file.is_file() or not self._listed(source.run_id, source.checkpoint_id):
             return "", SnapshotRef(path, "", error=f"unknown sampler path {path}: no weights saved there")
         meta = json.loads(meta_file.read_text())
         if meta.get("base_model") not in BASE_MODELS:
@@ -731,10 +602,10 @@ class TinkerApi:
     def _create_sampling_session(self, headers: dict[str, str], body: bytes) -> Response:
         request = parse_json(body)
         session_id = str(request.get("session_id", ""))
-        self._check_session(session_id)
+        self.registry.check(session_id)
         sampler_id = f"{session_id}:sample:{int(request.get('sampling_session_seq_id', 0))}"
         base_model, snapshot = self._snapshot_for(request.get("model_path"), request.get("base_model"))
-        self._register_sampler(SamplingSession(sampler_id, base_model or str(request.get("base_model") or ""),
+        self.registry.add_sampler(SamplingSession(sampler_id, base_model or str(request.get("base_model") or ""),
                                                request.get("model_path"), snapshot))
         return json_response({"type": "create_sampling_session", "sampling_session_id": sampler_id})
 
@@ -747,20 +618,12 @@ class TinkerApi:
         with self._lock:
             if key is not None and key in self._samples:
                 return self._samples[key]
-            sampler = self._samplers.get(str(sampler_id)) if sampler_id is not None else None
         sequence_ids = [f"{sampler_id}:{request.get('seq_id')}:{i}" for i in range(num if isinstance(num, int)
                                                                                   and 0 < num <= 256 else 1)]
         try:
-            if sampler_id is not None and sampler is None:
-                with self._lock:
-                    closed = self._closed.get(self._session_of(str(sampler_id)))
-                if closed is not None:
-                    raise UserError(f"sampling session {sampler_id} is gone: its session "
-                                    f"{self._session_of(str(sampler_id))} was closed: {closed}")
-                raise UserError(f"unknown sampling session {sampler_id!r}")
+            sampler = self.registry.sampler(str(sampler_id)) if sampler_id is not None else None
             if sampler is not None:
-                self._touch_session(self._session_of(sampler.sampling_session_id))
-            if sampler is not None:
+                self.registry.touch(session_of(sampler.sampling_session_id))
                 base_model, snapshot = sampler.base_model, sampler.snapshot
             else:
                 base_model, snapshot = self._snapshot_for(request.get("model_path"), request.get("base_model"))
@@ -775,14 +638,14 @@ class TinkerApi:
                 if sampler is None:
                     raise UserError("record_stability_info needs a sampling session (its session owns the records)")
             request_id = self.scheduler.submit(JobKind.SAMPLE, str(sampler_id or base_model), job,
-                                               session=self._session_of(str(sampler_id)) if sampler_id else "")
+                                               session=session_of(str(sampler_id)) if sampler_id else "")
             if request.get("record_stability_info"):
-                self.stability.record(self._sampler_session(str(sampler_id)), sequence_ids, request_id, job.prompt)
+                self.stability.record(session_of(str(sampler_id)), sequence_ids, request_id, job.prompt)
                 finished = self.futures.wait(request_id, 0)
                 if finished is not None and finished.status != "pending":  # before it was recorded: settle it now
                     self.stability.finished(request_id, finished.result)
         except UserError as e:
-            request_id = self._failed_request(str(e), session=self._session_of(str(sampler_id)))
+            request_id = self._failed_request(str(e), session=session_of(str(sampler_id)))
         response = json_response({"request_id": request_id, "sample_sequence_ids": sequence_ids})
         if key is not None:
             with self._lock:
@@ -790,11 +653,6 @@ class TinkerApi:
                 while len(self._samples) > 100_000:
                     self._samples.pop(next(iter(self._samples)))
         return response
-
-    @staticmethod
-    def _sampler_session(sampler_id: str) -> str:
-        """The session a sampling session belongs to (its id is ``<session>:sample:<n>``)."""
-        return sampler_id.rsplit(":sample:", 1)[0]
 
     def _on_finish(self, future: Future) -> None:
         self.stability.finished(future.request_id, future.result if isinstance(future.result, SampleResult) else None)
@@ -809,7 +667,7 @@ class TinkerApi:
         if future is None:
             return error_response(404, f"unknown request_id {request_id!r}")
         if future.session:  # a client waiting for its results is alive, heartbeat or not
-            self._touch_session(future.session)
+            self.registry.touch(future.session)
         if future.status == "pending":
             state, reason = queue_state(self.scheduler.position(request_id))
             return json_response({"type": "try_again", "request_id": request_id, "queue_state": state,

@@ -12,6 +12,7 @@ checkpoints, after each save and at start-up.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import sqlite3
 import threading
@@ -21,10 +22,63 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from .errors import UserError
+
 DB_FILE = "tinker_server.sqlite3"
 #: The tinker path segment of each checkpoint type (``tinker://<run>/<segment>/<name>``).
 SEGMENTS = {"training": "weights", "sampler": "sampler_weights", "external": "external_weights"}
 TYPES = {segment: kind for kind, segment in SEGMENTS.items()}
+#: A checkpoint's name, the last segment of its tinker path (and a directory name).
+CHECKPOINT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+SCHEME = "tinker://"
+
+
+@dataclass(frozen=True)
+class TinkerPath:
+    """``tinker://<run_id>/<segment>/<name>``: one checkpoint of a training run (the run id is the model id that
+    saved it). Every tinker path the server reads or writes is parsed and formatted here."""
+
+    run_id: str
+    segment: str
+    name: str
+
+    @classmethod
+    def parse(cls, path: str, segments: tuple[str, ...] = ("weights", )) -> TinkerPath:
+        """A path naming one of ``segments``; UserError naming the expected form otherwise."""
+        parts = path[len(SCHEME):].split("/") if path.startswith(SCHEME) else []
+        if len(parts) != 3 or not parts[0] or parts[1] not in segments or not CHECKPOINT_NAME.match(parts[2]):
+            raise UserError(f"not a checkpoint path of this server: {path!r} "
+                            f"(expected tinker://<model_id>/{'|'.join(segments)}/<name>)")
+        return cls(*parts)
+
+    @classmethod
+    def new(cls, run_id: str, segment: str, name: str) -> TinkerPath:
+        """The path a save will write: its name checked (UserError naming the rule)."""
+        if not CHECKPOINT_NAME.match(name):
+            raise UserError(f"checkpoint name {name!r} must match {CHECKPOINT_NAME.pattern}")
+        return cls(run_id, segment, name)
+
+    @property
+    def checkpoint_id(self) -> str:
+        """The store's key within the run: ``<segment>/<name>``."""
+        return f"{self.segment}/{self.name}"
+
+    def directory(self, root: Path) -> Path:
+        return checkpoint_dir(root, self.run_id, self.name, self.segment)
+
+    def __str__(self) -> str:
+        return f"{SCHEME}{self.run_id}/{self.checkpoint_id}"
+
+
+def checkpoint_dir(root: Path, model_id: str, name: str, kind: str = "weights") -> Path:
+    """Where a checkpoint's files live: ``<root>/<run>/<segment>/<name>``."""
+    return root / model_id.replace("/", "_") / kind / name
+
+
+def parse_tinker_path(path: str, kinds: tuple[str, ...] = ("weights", )) -> tuple[str, str]:
+    """``tinker://<model_id>/weights/<name>`` -> (model_id, name); ``kinds`` also allows ``sampler_weights``."""
+    parsed = TinkerPath.parse(path, kinds)
+    return parsed.run_id, parsed.name
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS training_runs (
@@ -73,7 +127,7 @@ class CheckpointRow:
 
     @property
     def tinker_path(self) -> str:
-        return f"tinker://{self.training_run_id}/{self.checkpoint_id}"
+        return f"{SCHEME}{self.training_run_id}/{self.checkpoint_id}"
 
     def to_json(self) -> dict[str, Any]:
         """The SDK's ``Checkpoint``."""

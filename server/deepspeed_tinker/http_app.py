@@ -3,7 +3,7 @@
 Why each piece:
 
 - Routing is FastAPI's, one declared route per endpoint the tinker SDK calls; the protocol logic stays in
-  ``api`` / ``rest_api`` (plain methods, no HTTP server), so the in-process tests drive the same app through
+  ``api`` / ``runs_api`` (plain methods, no HTTP server), so the in-process tests drive the same app through
   Starlette's ``TestClient``.
 - Request bodies are validated with the SDK's own pydantic types where the protocol answers a bad body with a
   400 (``retrieve_future``, ``get_info``, ``session_heartbeat``, ``create_sampling_session``). The requests that

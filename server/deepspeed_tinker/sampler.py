@@ -24,9 +24,9 @@ import numpy as np
 import torch
 
 from .checkpoint_files import read_weights
+from .errors import UserError
 from .model import BASE_MODELS, LoraSpec, build_base, build_model, token_logprobs
 from .sampling import DEFAULT_SNAPSHOT_BYTES, MAX_SNAPSHOTS, SampledSequence, SampleJob, SnapshotRef
-from .wire import UserError
 
 #: Beside the weights (``checkpoint_files``) of a named snapshot: its base model and LoRA config.
 SAMPLER_META_FILE = "tinker_sampler_meta.json"

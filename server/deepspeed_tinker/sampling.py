@@ -14,7 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from .wire import UserError, _pb
+from .errors import UserError
+from .wire import _pb
 
 #: Most samples one request may ask for.
 MAX_NUM_SAMPLES = 256

@@ -31,6 +31,7 @@ from .api import ApiSettings, TinkerApi
 from .byte_tokenizer import write_byte_tokenizer
 from .commands import COMMANDS, Recorder, run_command
 from .config import ServerConfig
+from .errors import UserError
 from .faults import EXIT_RANK_FAILED, HEARTBEAT_S, FaultDrain, PeerWatch, heartbeat
 from .http_app import HttpServer, HttpSettings, build_app
 from .jobs import JobKind
@@ -39,7 +40,6 @@ from .metrics import start_memory_reporter
 from .model import register_local_model
 from .scheduler import FutureStore, Job, Scheduler
 from .threads import intra_op_threads
-from .wire import UserError
 from .worker import Worker
 
 log = logging.getLogger("tinker_server")

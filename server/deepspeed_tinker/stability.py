@@ -19,7 +19,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .wire import Datum, Span, UserError
+from .errors import UserError
+from .wire import Datum, Span
 
 #: How long a recorded sequence can be trained on after sampling or its last use (Tinker: one day).
 RECORD_TTL_S = 24 * 3600

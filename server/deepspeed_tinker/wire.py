@@ -13,6 +13,8 @@ from typing import Any
 
 import numpy as np
 
+from .errors import UserError
+
 #: The built-in losses, each a SUM over tokens (see ``losses.py`` for the formulas), and the
 #: ``loss_fn_inputs`` each takes (required, optional).
 LOSS_INPUTS: dict[str, tuple[frozenset[str], frozenset[str]]] = {
@@ -56,10 +58,6 @@ PER_TOKEN_INPUTS = {"sampling_logprobs": "logprobs", "advantages": "advantages",
 MAX_TENSOR_ELEMENTS = 1 << 26
 
 PROTO_CONTENT_TYPE = "application/x-protobuf"
-
-
-class UserError(Exception):
-    """A request the client got wrong; reported in the future's result as category ``user``."""
 
 
 @dataclass(frozen=True)

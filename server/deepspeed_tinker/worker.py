@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from .checkpoint_files import copy_tokenizer, encrypt_files, fsync_path, fsync_tree, write_weights
+from .errors import UserError
 from .jobs import AdamParams, LoadWeights, SaveExternal, SaveSampler, SaveWeights
 from .losses import LossInputs, elementwise_loss
 from .metrics import release_free_memory
@@ -38,7 +39,7 @@ from .model import (
 )
 from .sampler import SAMPLER_META_FILE, SamplerPool, capture_weights
 from .sampling import SampleJob
-from .wire import Datum, FwdBwdRequest, UserError
+from .wire import Datum, FwdBwdRequest
 
 CHECKPOINT_TAG = "state"
 META_FILE = "tinker_meta.json"

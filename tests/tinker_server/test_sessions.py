@@ -45,10 +45,11 @@ def test_heartbeats_keep_a_session_and_silence_closes_it(api: TinkerApi) -> None
     while api.scheduler.next_job(timeout=0) is not None:  # the creates "ran"
         pass
     start = time.monotonic()
-    api._seen[quiet] = api._seen[alive] = start - 100  # both last seen 100 s ago
+    api.registry.touch(quiet, start - 100)  # both last seen 100 s ago
+    api.registry.touch(alive, start - 100)
     assert post(api, "session_heartbeat", {"session_id": alive})[0] == 200
     held = post(api, "optim_step", {"model_id": quiet_model, "seq_id": 2, "adam_params": {}})[1]["request_id"]
-    api._seen[quiet] = start - 100  # the request above counted as a sign of life; undo that
+    api.registry.touch(quiet, start - 100)  # the request above counted as a sign of life; undo that
     assert api.expire_sessions(start + 30) == [quiet]
     assert api.sessions() == 1
 

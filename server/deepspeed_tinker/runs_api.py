@@ -16,16 +16,16 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Callable
 
-from .checkpoint_store import TYPES, CheckpointStore
+from .checkpoint_store import SEGMENTS, CheckpointStore, TinkerPath
 from .download_urls import URL_LIFETIME_S, UrlSigner
+from .errors import UserError
 from .responses import Response, error_response, json_response
-from .wire import UserError
 
 #: The longest TTL Tinker accepts (10 years). The shortest is not enforced: an hour is Tinker's
 #: minimum, but a local server has no reason to keep an unwanted export that long.
 MAX_TTL_S = 10 * 365 * 24 * 3600
 #: The checkpoint types of the ``training_runs/{run}/checkpoints/{type}/{name}`` routes.
-CHECKPOINT_KINDS = ("weights", "sampler_weights", "external_weights")
+CHECKPOINT_KINDS = tuple(SEGMENTS.values())
 
 
 def parse_ttl(value: Any) -> int | None:
@@ -140,14 +140,11 @@ class RunsApi:
             path = str(json.loads(body or b"{}").get("tinker_path", ""))
         except (ValueError, AttributeError):
             raise UserError("the body must be a JSON object with tinker_path") from None
-        parts = path[len("tinker://"):].split("/") if path.startswith("tinker://") else []
-        if len(parts) != 3 or parts[1] not in TYPES:
-            raise UserError(f"not a checkpoint path: {path!r} (expected tinker://<run_id>/<type>/<name>)")
-        run_id = parts[0]
-        run = self.store.run_json(run_id)
-        if run is None or self.store.checkpoint(run_id, f"{parts[1]}/{parts[2]}") is None:
+        source = TinkerPath.parse(path, CHECKPOINT_KINDS)
+        run = self.store.run_json(source.run_id)
+        if run is None or self.store.checkpoint(source.run_id, source.checkpoint_id) is None:
             return error_response(404, f"no checkpoint {path}")
-        lora = self.store.run_lora(run_id)
+        lora = self.store.run_lora(source.run_id)
         return json_response({"base_model": run["base_model"], "is_lora": lora is not None,
                               "lora_rank": lora["rank"] if lora else None,
                               **{k: lora[k] if lora else None for k in ("train_unembed", "train_mlp", "train_attn")}})
