@@ -23,6 +23,7 @@ from .launch import ServerProcess, serve
 from .model import parse_base_model
 from .sampling import DEFAULT_SNAPSHOT_BYTES, MAX_SNAPSHOTS
 from .scheduler import DEFAULT_FUTURE_TTL_S, DEFAULT_MAX_FUTURES, DEFAULT_RETRIEVED_GRACE_S
+from .vllm_sampler import DEFAULT_ADAPTERS, DEFAULT_MAX_LORA_RANK, VLLM_PYTHON_ENV
 
 #: Environment variable naming the folder of the demos' clients (default: the checkout's examples/tinker/).
 CLIENTS_ENV = "DEEPSPEED_TINKER_CLIENTS"
@@ -108,6 +109,23 @@ def _server_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sampler-snapshot-mib", type=_positive_int, default=DEFAULT_SNAPSHOT_BYTES >> 20,
                         metavar="MIB", help="their memory per rank at most; the newest is always kept "
                         "(default: %(default)s)")
+    parser.add_argument("--sampler", choices=["native", "vllm"], default="native",
+                        help="native: the ranks decode, queued with training; vllm: a vLLM server in its own "
+                        "environment samples beside training (LoRA snapshots as adapters; one --base-model)")
+    parser.add_argument("--vllm-python", default=None, metavar="PATH",
+                        help=f"the Python of vLLM's environment, to start vLLM with (default: ${VLLM_PYTHON_ENV}; "
+                        "tools/vllm-env.sh builds one)")
+    parser.add_argument("--vllm-url", default=None, metavar="URL",
+                        help="a vLLM OpenAI-compatible server already serving the base model (started with "
+                        "--enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True), instead of starting one")
+    parser.add_argument("--vllm-adapters", type=_positive_int, default=DEFAULT_ADAPTERS, metavar="N",
+                        help="LoRA sampler snapshots registered with vLLM at once; one sampled again after it left "
+                        "is registered again from disk (default: %(default)s)")
+    parser.add_argument("--vllm-max-lora-rank", type=_positive_int, default=DEFAULT_MAX_LORA_RANK, metavar="R",
+                        help="the largest LoRA rank vLLM is started for; create_model refuses a higher one "
+                        "(default: %(default)s)")
+    parser.add_argument("--vllm-threads", type=_positive_int, default=1, metavar="N",
+                        help="torch threads of vLLM's CPU worker (default: %(default)s)")
 
 
 def _client(name: str) -> str:

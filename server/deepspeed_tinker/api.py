@@ -44,6 +44,7 @@ from .sampling import SampleResult, SnapshotRef, encode_sample_response, parse_s
 from .scheduler import Future, FutureStore, FutureStoreFull, QueuePosition, Scheduler
 from .sessions import ModelRecord, SamplingSession, SessionRegistry, session_of
 from .stability import StabilityRecords, resolve_provenance
+from .vllm_sampler import FULL_WEIGHTS_REFUSED, VllmSampler
 from .wire import (
     PROTO_CONTENT_TYPE,
     PROVENANCE_LOSSES,
@@ -146,8 +147,10 @@ PostHandler = Callable[[dict[str, str], bytes], Response]
 class TinkerApi:
     """Request handling, independent of the HTTP server so tests can call it directly."""
 
-    def __init__(self, scheduler: Scheduler, settings: ApiSettings) -> None:
+    def __init__(self, scheduler: Scheduler, settings: ApiSettings, vllm: VllmSampler | None = None) -> None:
         self.scheduler = scheduler
+        #: With ``--sampler vllm``: samples go to vLLM, not into the ranks' queue.
+        self.vllm = vllm
         self.futures: FutureStore = scheduler.futures
         self.settings = settings
         self._lock = threading.Lock()
@@ -328,6 +331,9 @@ class TinkerApi:
                                 train_unembed=bool(raw_lora.get("train_unembed", True)))
                 if not lora.target_modules():
                     raise UserError("lora_config trains nothing (train_attn, train_mlp, train_unembed all false)")
+                if self.vllm is not None and rank > self.vllm.options.max_lora_rank:
+                    raise UserError(f"lora_config.rank {rank} is over {self.vllm.options.max_lora_rank}, the largest "
+                                    "this server's vLLM sampler takes (--vllm-max-lora-rank)")
             record = self._new_model(request, lora, str(request.get("base_model", "")))
             return self._open(record, [(JobKind.CREATE, record)])
         except UserError as e:
@@ -504,9 +510,18 @@ class TinkerApi:
             if not isinstance(seq, int):
                 raise UserError("save_weights_for_sampler needs a path (name) or a sampling_session_seq_id")
             session_id = f"{record.session_id}:sample:{seq}"
-            self.registry.add_sampler(SamplingSession(session_id, record.base_model, None,
-                                                   SnapshotRef(snapshot_id, record.base_model, lora)))
-            return SaveSampler(snapshot_id, {"sampling_session_id": session_id, "type": "save_weights_for_sampler"})
+            reply = {"sampling_session_id": session_id, "type": "save_weights_for_sampler"}
+            if self.vllm is None:
+                self.registry.add_sampler(SamplingSession(session_id, record.base_model, None,
+                                                          SnapshotRef(snapshot_id, record.base_model, lora)))
+                return SaveSampler(snapshot_id, reply)
+            # vLLM loads a snapshot as a PEFT adapter from disk: written beside the model's checkpoints, unlisted.
+            if lora is None:
+                raise UserError(FULL_WEIGHTS_REFUSED)
+            directory = self.vllm.snapshot_dir(self.settings.checkpoint_root, model_id, snapshot_id)
+            snapshot = SnapshotRef(snapshot_id, record.base_model, lora, str(directory))
+            self.registry.add_sampler(SamplingSession(session_id, record.base_model, None, snapshot))
+            return SaveSampler(snapshot_id, reply, str(directory), _weights_meta(record))
 
         return self._sequenced(model_id, request.get("seq_id"), JobKind.SAVE_SAMPLER, build)
 
@@ -637,8 +652,11 @@ class TinkerApi:
             if request.get("record_stability_info"):
                 if sampler is None:
                     raise UserError("record_stability_info needs a sampling session (its session owns the records)")
-            request_id = self.scheduler.submit(JobKind.SAMPLE, str(sampler_id or base_model), job,
-                                               session=session_of(str(sampler_id)) if sampler_id else "")
+            owner, session = str(sampler_id or base_model), session_of(str(sampler_id)) if sampler_id else ""
+            if self.vllm is not None:
+                request_id = self.vllm.submit(job, session, owner)
+            else:
+                request_id = self.scheduler.submit(JobKind.SAMPLE, owner, job, session=session)
             if request.get("record_stability_info"):
                 self.stability.record(session_of(str(sampler_id)), sequence_ids, request_id, job.prompt)
                 finished = self.futures.wait(request_id, 0)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from .faults import DEFAULT_DRAIN_S, DEFAULT_PEER_TIMEOUT_S
 from .http_app import DEFAULT_MAX_BODY_BYTES
 from .sampling import DEFAULT_SNAPSHOT_BYTES, MAX_SNAPSHOTS
 from .scheduler import DEFAULT_FUTURE_TTL_S, DEFAULT_MAX_FUTURES, DEFAULT_RETRIEVED_GRACE_S
+from .vllm_sampler import DEFAULT_ADAPTERS, DEFAULT_MAX_LORA_RANK, VLLM_PYTHON_ENV, VllmOptions
 
 #: Relative to the working directory the server starts in.
 DEFAULT_CHECKPOINTS = Path("scratch") / "tinker_checkpoints"
@@ -76,6 +78,20 @@ class ServerConfig:
     threads_per_rank: int | None = None
     #: A session without a heartbeat or request for this long is closed (``--session-timeout-s``; 0: never).
     session_timeout_s: float = DEFAULT_SESSION_TIMEOUT_S
+    #: ``native`` (the ranks decode, in their job queue) or ``vllm`` (``--sampler``; see ``vllm_sampler``).
+    sampler: str = "native"
+    #: vLLM's Python, to start vLLM with (``--vllm-python``), or the URL of a vLLM already serving (``--vllm-url``).
+    vllm_python: str | None = None
+    vllm_url: str | None = None
+    #: LoRA adapters registered with vLLM at once, and the largest LoRA rank it is started for.
+    vllm_adapters: int = DEFAULT_ADAPTERS
+    vllm_max_lora_rank: int = DEFAULT_MAX_LORA_RANK
+    #: torch threads of vLLM's CPU worker (``--vllm-threads``).
+    vllm_threads: int = 1
+
+    def vllm_options(self) -> VllmOptions:
+        return VllmOptions(python=self.vllm_python, url=self.vllm_url, adapters=self.vllm_adapters,
+                           max_lora_rank=self.vllm_max_lora_rank, threads=self.vllm_threads)
 
     def to_json(self) -> str:
         return json.dumps({name: str(value) if isinstance(value, Path) else value
@@ -105,4 +121,7 @@ class ServerConfig:
                    api_keys_file=args.api_keys_file, max_futures=args.max_futures,
                    max_futures_per_session=args.max_futures_per_session, future_ttl_s=args.future_ttl_s,
                    retrieved_grace_s=args.retrieved_grace_s, threads_per_rank=args.threads_per_rank,
-                   session_timeout_s=args.session_timeout_s)
+                   session_timeout_s=args.session_timeout_s, sampler=args.sampler,
+                   vllm_python=args.vllm_python or os.environ.get(VLLM_PYTHON_ENV) or None, vllm_url=args.vllm_url,
+                   vllm_adapters=args.vllm_adapters, vllm_max_lora_rank=args.vllm_max_lora_rank,
+                   vllm_threads=args.vllm_threads)

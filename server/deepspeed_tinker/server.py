@@ -19,7 +19,9 @@ import os
 import signal
 import time
 import warnings
+from dataclasses import replace
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -37,9 +39,10 @@ from .http_app import HttpServer, HttpSettings, build_app
 from .jobs import JobKind
 from .keys import check_host, load_api_keys, startup_line
 from .metrics import start_memory_reporter
-from .model import register_local_model
+from .model import BASE_MODELS, parse_base_model, register_local_model
 from .scheduler import FutureStore, Job, Scheduler
 from .threads import intra_op_threads
+from .vllm_sampler import VllmProcess, VllmSampler
 from .worker import Worker
 
 log = logging.getLogger("tinker_server")
@@ -146,6 +149,27 @@ def _execute_batch(worker: Worker, jobs: list[Job], futures: FutureStore, drain:
     return done
 
 
+def _start_vllm(config: ServerConfig, futures: FutureStore) -> tuple[VllmProcess | None, VllmSampler | None]:
+    """With ``--sampler vllm``: vLLM serving the one ``--base-model`` (started here unless ``--vllm-url``), and rank
+    0's client of it."""
+    if config.sampler != "vllm":
+        return None, None
+    if len(config.base_models) != 1:
+        raise SystemExit("error: --sampler vllm serves exactly one --base-model (a local Hugging Face directory); got "
+                         f"{len(config.base_models)}")
+    name, path = parse_base_model(config.base_models[0])
+    spec = BASE_MODELS[name or str(Path(path).expanduser().resolve())]
+    options = replace(config.vllm_options(), snapshots=config.sampler_snapshots)
+    process = None
+    url = config.vllm_url
+    if url is None:
+        process = VllmProcess(options, str(spec.path), spec.name, spec.max_context_length,
+                              config.checkpoint_root / "vllm.log")
+        print(f"[tinker-server] starting vLLM for {spec.name} (log: {process.log_file})", flush=True)
+        url = process.wait_ready()
+    return process, VllmSampler(url, spec.name, futures, options)
+
+
 def _drive(worker: Worker, config: ServerConfig, watch: PeerWatch | None) -> None:
     """Rank 0: serve HTTP, execute jobs in order until SIGTERM/SIGINT, then stop the followers.
 
@@ -155,18 +179,26 @@ def _drive(worker: Worker, config: ServerConfig, watch: PeerWatch | None) -> Non
                           config.retrieved_grace_s)
     scheduler = Scheduler(futures)
     tokenizer_dir = write_byte_tokenizer(config.checkpoint_root / "tokenizers" / "byte-level")
+    vllm_process, vllm = _start_vllm(config, futures)
     api = TinkerApi(scheduler, ApiSettings(config.checkpoint_root, config.max_chunk_datums, config.compress_fwdbwd,
                                            config.long_poll_s, tokenizer_dir.resolve(),
                                            keep_checkpoints=config.keep_checkpoints,
-                                           session_timeout_s=config.session_timeout_s))
+                                           session_timeout_s=config.session_timeout_s), vllm)
     keys = load_api_keys(config.api_keys_file)
     check_host(config.host, keys)
     http_settings = HttpSettings(max_body_bytes=config.max_body_bytes, access_log=config.access_log, api_keys=keys)
     http = HttpServer(build_app(api, http_settings), config.host, config.port, http_settings).start()
 
+    def stop_vllm() -> None:
+        if vllm is not None:
+            vllm.close()
+        if vllm_process is not None:
+            vllm_process.stop()
+
     def after_fault() -> None:
         http.shutdown()
         api.store.close()
+        stop_vllm()
 
     drain = FaultDrain(futures.fail_all, scheduler.stop, config.fault_drain_s, after_fault)
     if watch is not None:
@@ -217,6 +249,7 @@ def _drive(worker: Worker, config: ServerConfig, watch: PeerWatch | None) -> Non
         dist.broadcast_object_list([None], src=0)
         http.shutdown()
         api.store.close()
+        stop_vllm()
         print("[tinker-server] stopped", flush=True)
 
 
