@@ -141,8 +141,17 @@ ds_series_setup() {
     _ds_series_log "installed deepspeed $got into $DS_SERIES_VENV"
 }
 
+# vLLM's own environment (tools/vllm-env.sh), for the Tinker server's `--sampler vllm` tests; the default base only
+# (the sampler does not depend on the DeepSpeed under the ranks). DS_TINKER_NO_VLLM=1 skips it, and those tests skip.
+ds_tinker_vllm_setup() {
+    [[ "$DS_SERIES_BASE" == "$DS_SERIES_DEFAULT_BASE" && -z "${DS_TINKER_NO_VLLM:-}" ]] || return 0
+    DEEPSPEED_TINKER_VLLM_PYTHON=$(bash "$DS_SERIES_ROOT/tools/vllm-env.sh" | tail -n 1)
+    export DEEPSPEED_TINKER_VLLM_PYTHON
+}
+
 if [[ "${BASH_SOURCE[0]}" == "$0" ]]; then
     ds_series_setup
+    ds_tinker_vllm_setup
     [[ "${1:-}" == "--install-only" ]] && exit 0
     cd "$DS_SERIES_ROOT"
     # Half of the suite waits (servers starting, long polls, heartbeats, timeouts) with the cores idle: the test files
