@@ -15,6 +15,10 @@ PY="$VENV/bin/python"
 STAMP="$VENV/.vllm-inputs"
 log() { echo "[tools/vllm-env.sh +${SECONDS}s] $*" >&2; }
 
+# One install at a time (.ci/run starts one in the background; tools/test.sh's waits for it, then finds it done).
+mkdir -p "$ROOT/build"
+exec 9>"$ROOT/build/.vllm-env.lock"
+flock 9
 digest=$( (cat "$ROOT/requirements/vllm.txt"; python3 --version) | sha256sum | cut -d' ' -f1)
 if [[ -x "$PY" && -f "$STAMP" && "$(cat "$STAMP")" == "$digest" ]]; then
     log "vLLM environment up to date ($VENV)"
