@@ -45,7 +45,9 @@ def non_default_options(tmp_path: Path) -> list[list[str]]:
             ["--max-futures-per-session", "3"], ["--future-ttl-s", "9.5"], ["--retrieved-grace-s", "1.5"],
             ["--threads-per-rank", "1"], ["--session-timeout-s", "30"], ["--api-keys-file", str(keys)],
             ["--fault-drain-s", "4"], ["--peer-timeout-s", "6"], ["--sampler-snapshots", "2"],
-            ["--sampler-snapshot-mib", "64"]]
+            ["--sampler-snapshot-mib", "64"], ["--sampler", "vllm"], ["--vllm-python", "/opt/vllm/bin/python"],
+            ["--vllm-url", "http://127.0.0.1:9"], ["--vllm-adapters", "3"], ["--vllm-max-lora-rank", "8"],
+            ["--vllm-threads", "2"]]
 
 
 def test_every_server_option_reaches_the_configuration(tmp_path: Path) -> None:
