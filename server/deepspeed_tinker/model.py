@@ -249,18 +249,144 @@ def enable_gradient_checkpointing(model: torch.nn.Module) -> int:
     return len(layers)
 
 
-def token_logprobs(model: torch.nn.Module, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+#: Positions per chunk of the output layer: its fp32 logits (B x chunk x vocabulary) are the largest tensor a pass
+#: makes, 1024 x 151,936 x 4 B = 0.6 GB a sequence for Qwen3, instead of T x V (5 GB at 8k tokens).
+LOGITS_CHUNK_TOKENS = 1024
+#: Config attributes of architectures whose forward changes the logits after the output layer (Gemma's soft-capping,
+#: Cohere's scale): the chunked path runs the output layer alone, so these take the one-pass path.
+_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale")
+
+
+def token_logprobs(model: torch.nn.Module, tokens: torch.Tensor, targets: torch.Tensor,
+                   chunk_tokens: int = LOGITS_CHUNK_TOKENS) -> torch.Tensor:
     """``logprobs[b, t] = log p(targets[b, t] | tokens[b, :t+1])`` for a right-padded batch; with
     ``[B, T, K]`` targets (K per position) the result is ``[B, T, K]``.
 
     Right padding needs no attention mask: a causal model never lets a real position attend
-    to a later (padded) one.
+    to a later (padded) one. The model runs without logits (``logits_to_keep`` of no position); the output
+    layer then runs on ``chunk_tokens`` positions at a time, in forward and again in backward
+    (``_OutputLayerLogprobs``), so the ``B x T x V`` fp32 logits never exist at once. One chunk (``T <=
+    chunk_tokens``) is the one-pass computation, bit for bit; more round the output layer's products and its
+    gradient's sum in another order (see tests/tinker_server/test_logprob_chunks.py for how far).
     """
-    logits = model(input_ids=tokens).logits.float()
-    logprobs = torch.log_softmax(logits, dim=-1)
+    causal = _causal_lm(model)
+    if any(getattr(causal.config, name, None) not in (None, 1.0) for name in _LOGIT_TRANSFORMS):
+        return _gather_targets(torch.log_softmax(model(input_ids=tokens).logits.float(), dim=-1), targets)
+    hidden = _final_hidden(model, causal, tokens)
+    head = causal.get_output_embeddings()
+    if not torch.is_grad_enabled() or not (hidden.requires_grad or _trainable(head)):
+        return torch.cat([_chunk_logprobs(head, h, t) for h, t in _chunks(chunk_tokens, hidden, targets)], dim=1)
+    # With only the output layer training (LoRA on it alone) nothing before it needs a gradient: an empty tensor that
+    # does makes autograd call the backward all the same.
+    wants_backward = torch.empty(0, device=hidden.device, requires_grad=not hidden.requires_grad)
+    with _gathered(head):
+        return _OutputLayerLogprobs.apply(hidden, targets, head, chunk_tokens, wants_backward)
+
+
+class _OutputLayerLogprobs(torch.autograd.Function):
+    """The output layer's target logprobs a chunk of positions at a time, keeping only ``hidden`` for backward.
+
+    Backward runs each chunk's forward again through the output layer *module* (PEFT's LoRA on it, ZeRO-3's
+    hooks, as any forward) and sums its parameters' gradients over the chunks, then accumulates them once (under
+    ZeRO one reduction of each, as in the one-pass path). They are not inputs of the node: autograd would fire
+    their accumulation hooks (ZeRO's reduction) for a None gradient too, and accumulate a returned one only after
+    ZeRO-3 has partitioned the parameter again.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, hidden: torch.Tensor, targets: torch.Tensor, head: torch.nn.Module, chunk_tokens: int,
+                wants_backward: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(hidden, targets)
+        ctx.head, ctx.chunk_tokens = head, chunk_tokens
+        return torch.cat([_chunk_logprobs(head, h, t) for h, t in _chunks(chunk_tokens, hidden, targets)], dim=1)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        hidden, targets = ctx.saved_tensors
+        params = _trainable(ctx.head)
+        sums: list[torch.Tensor | None] = [None] * len(params)
+        hidden_grads = []
+        with torch.enable_grad(), _gathered(ctx.head):
+            for h, t, g in _chunks(ctx.chunk_tokens, hidden, targets, grad):
+                h = h.detach().requires_grad_()
+                h_grad, *got = torch.autograd.grad(_chunk_logprobs(ctx.head, h, t), [h, *params], g,
+                                                   allow_unused=True)
+                hidden_grads.append(h_grad)
+                sums = [b if a is None else a if b is None else a + b for a, b in zip(sums, got)]
+            # Here, while gathered: autograd's accumulation and ZeRO-3's gradient hooks need the whole parameter.
+            accumulate = [(p, s) for p, s in zip(params, sums) if s is not None]
+            if accumulate:
+                torch.autograd.backward([p for p, _ in accumulate], [s for _, s in accumulate])
+        hidden_grad = torch.cat(hidden_grads, dim=1) if ctx.needs_input_grad[0] else None
+        return hidden_grad, None, None, None, None
+
+
+def _causal_lm(model: torch.nn.Module) -> torch.nn.Module:
+    """The Hugging Face causal LM inside a DeepSpeed engine and/or a PEFT wrapper."""
+    model = getattr(model, "module", model)  # a DeepSpeed engine
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def _final_hidden(model: torch.nn.Module, causal: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """The decoder's last hidden states (after its final norm), from a forward of ``model`` (the engine: its hooks
+    run) that makes logits for no position."""
+    captured: list[torch.Tensor] = []
+
+    def keep(module: torch.nn.Module, args: Any, output: Any) -> None:
+        captured.append(output[0] if isinstance(output, tuple) else output.last_hidden_state)
+
+    hook = causal.get_decoder().register_forward_hook(keep)
+    try:
+        model(input_ids=tokens, logits_to_keep=torch.empty(0, dtype=torch.long, device=tokens.device))
+    finally:
+        hook.remove()
+    return captured[-1]
+
+
+def _trainable(head: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The output layer's parameters that take gradients, each once, in module order."""
+    return list({id(p): p for p in head.parameters() if p.requires_grad}.values())
+
+
+def _chunks(chunk_tokens: int, *tensors: torch.Tensor) -> Iterator[tuple[torch.Tensor, ...]]:
+    """``tensors`` cut into the same slices of ``chunk_tokens`` positions (dimension 1)."""
+    for start in range(0, tensors[0].shape[1], chunk_tokens):
+        yield tuple(t[:, start:start + chunk_tokens] for t in tensors)
+
+
+def _chunk_logprobs(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return _gather_targets(torch.log_softmax(head(hidden).float(), dim=-1), targets)
+
+
+def _gather_targets(logprobs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     if targets.dim() == 3:
         return logprobs.gather(-1, targets)
     return logprobs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+#: Held in a ZeRO-3 parameter's set of active modules while ``_gathered`` holds it: its modules' hooks release a
+#: parameter only when that set is empty.
+_HELD = -1
+
+
+@contextlib.contextmanager
+def _gathered(module: torch.nn.Module) -> Iterator[None]:
+    """Under ZeRO-3, ``module``'s parameters gathered once for the whole block (one all-gather), not once per call
+    of the module in it; elsewhere nothing. Its forward hooks would release them after every call."""
+    params = [p for p in module.parameters() if hasattr(p, "ds_id")]
+    if not params:
+        yield
+        return
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(params):
+        for p in params:
+            p.ds_active_sub_modules.add(_HELD)
+        try:
+            yield
+        finally:
+            for p in params:
+                p.ds_active_sub_modules.discard(_HELD)
 
 
 def cross_entropy_sum(logprobs: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
