@@ -24,6 +24,10 @@ BASE_SEED = 1234
 #: ``hyperparam_utils.get_lora_lr_over_full_finetune_lr(lora_alpha=32)``, as in "LoRA Without Regret".
 DEFAULT_LORA_RANK = 32
 LORA_ALPHA = 32
+#: Attention through ``torch.nn.functional.scaled_dot_product_attention`` (the best kernel the device has: flash
+#: or memory-efficient on GPUs, the flash kernel on CPUs), not ``eager``'s B x heads x T x T probabilities kept for
+#: backward. The sampler's scoring forward uses the same, so its logprobs stay the training pass's bit for bit.
+ATTN_IMPLEMENTATION = "sdpa"
 #: ``--dtype`` values.
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -153,7 +157,7 @@ def build_base(base_model: str, dtype: torch.dtype = torch.float32) -> torch.nn.
         num_key_value_heads=spec.num_kv_heads,
         max_position_embeddings=spec.max_context_length,
         tie_word_embeddings=False,
-        attn_implementation="eager",
+        attn_implementation=ATTN_IMPLEMENTATION,
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(BASE_SEED)
@@ -205,7 +209,10 @@ def _build_local(spec: BaseModelSpec, dtype: torch.dtype = torch.float32) -> tor
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # one bar per model built is noise in a server log
-    return AutoModelForCausalLM.from_pretrained(spec.path, dtype=dtype, attn_implementation="eager")
+    try:
+        return AutoModelForCausalLM.from_pretrained(spec.path, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION)
+    except ValueError:  # an architecture transformers has no SDPA attention for
+        return AutoModelForCausalLM.from_pretrained(spec.path, dtype=dtype, attn_implementation="eager")
 
 
 @contextlib.contextmanager
@@ -321,6 +328,27 @@ class _OutputLayerLogprobs(torch.autograd.Function):
         return hidden_grad, None, None, None, None
 
 
+@torch.no_grad()
+def token_logprobs_topk(model: torch.nn.Module, tokens: torch.Tensor, targets: torch.Tensor, topk: int,
+                        chunk_tokens: int = LOGITS_CHUNK_TOKENS) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``token_logprobs`` (the same computation, chunk for chunk: the sampler reports what training computes) and
+    each position's ``topk`` largest logprobs with their token ids (``[B, T, topk]``; ``topk`` 0: empty)."""
+    causal = _causal_lm(model)
+    if any(getattr(causal.config, name, None) not in (None, 1.0) for name in _LOGIT_TRANSFORMS):
+        chunks = [(torch.log_softmax(model(input_ids=tokens).logits.float(), dim=-1), targets)]
+    else:
+        head = causal.get_output_embeddings()
+        chunks = ((_log_softmax(head, h), t) for h, t in _chunks(chunk_tokens, _final_hidden(model, causal, tokens),
+                                                                  targets))
+    chosen, values, ids = [], [], []
+    for logprobs, t in chunks:
+        chosen.append(_gather_targets(logprobs, t))
+        top = torch.topk(logprobs, topk, dim=-1)
+        values.append(top.values)
+        ids.append(top.indices)
+    return torch.cat(chosen, dim=1), torch.cat(values, dim=1), torch.cat(ids, dim=1)
+
+
 def _causal_lm(model: torch.nn.Module) -> torch.nn.Module:
     """The Hugging Face causal LM inside a DeepSpeed engine and/or a PEFT wrapper."""
     model = getattr(model, "module", model)  # a DeepSpeed engine
@@ -355,7 +383,12 @@ def _chunks(chunk_tokens: int, *tensors: torch.Tensor) -> Iterator[tuple[torch.T
 
 
 def _chunk_logprobs(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return _gather_targets(torch.log_softmax(head(hidden).float(), dim=-1), targets)
+    return _gather_targets(_log_softmax(head, hidden), targets)
+
+
+def _log_softmax(head: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """fp32 logprobs over the vocabulary at ``hidden``'s positions."""
+    return torch.log_softmax(head(hidden).float(), dim=-1)
 
 
 def _gather_targets(logprobs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,84 @@
+"""One rank of a real 2-rank ZeRO run (real DeepSpeed engines, real gloo) of ``token_logprobs`` chunked against the
+one-pass path, for ``test_logprob_chunks.py``: ``python tests/tinker_server/logprob_chunk_ranks.py OUT_DIR STAGE``
+with the launcher environment (RANK, WORLD_SIZE, MASTER_*) set. Rank r writes ``OUT_DIR/rank<r>.json``.
+
+Per case (full fine-tuning; LoRA with ``train_unembed``), two engines over the same weights, every parameter
+partitioned under ZeRO-3 (persistence threshold 0): one runs the one-pass path, the other the chunked one, on the
+same rank-specific batch with ``[B, T, K]`` targets; a ``backward`` each, then the reduced gradients of every
+trainable parameter (``safe_get_full_grad``). Under ZeRO-3 the output layer's partitions on this rank are recorded,
+to show they were partitioned, not whole.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+CHUNK = 5
+
+
+def nonzero_lora_b(model):
+    """``model`` with LoRA's B matrices random (seeded): PEFT starts them at 0, which zeroes A's gradients."""
+    import torch
+
+    generator = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(0.1 * torch.randn(param.shape, generator=generator))
+    return model
+
+
+def main(out_dir: Path, zero_stage: int) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from local_ranks.ranks import exit_rank, init_gloo_deepspeed
+
+    init_gloo_deepspeed(timeout_minutes=10)
+    import deepspeed
+    from deepspeed.utils import safe_get_full_grad
+
+    from deepspeed_tinker.model import LoraSpec, build_model, token_logprobs
+    from deepspeed_tinker.worker import ds_config
+
+    rank = dist.get_rank()
+    config = ds_config(zero_stage)
+    if zero_stage == 3:
+        config["zero_optimization"]["stage3_param_persistence_threshold"] = 0  # partition even the toy model
+    generator = torch.Generator().manual_seed(rank)
+    tokens = torch.randint(0, 256, (2, 3 * CHUNK + 2), generator=generator)  # the last chunk is short
+    targets = torch.randint(0, 256, (2, 3 * CHUNK + 2, 3), generator=generator)
+    weights = torch.linspace(0.5, 2.0, targets.numel()).reshape(targets.shape)
+
+    def one_pass(engine, x, y):
+        return torch.log_softmax(engine(input_ids=x).logits.float(), dim=-1).gather(-1, y)
+
+    def chunked(engine, x, y):
+        return token_logprobs(engine, x, y, chunk_tokens=CHUNK)
+
+    report: dict = {"rank": rank}
+    for case, lora in (("full", None), ("lora", LoraSpec(rank=4, seed=0, train_unembed=True))):
+        report[case] = {}
+        for path, function in (("one_pass", one_pass), ("chunked", chunked)):
+            module = nonzero_lora_b(build_model("tiny-llama-byte", lora))
+            trainable = [p for p in module.parameters() if p.requires_grad]
+            engine, *_ = deepspeed.initialize(model=module, model_parameters=trainable, config=config)
+            logprobs = function(engine, tokens, targets)
+            engine.backward((logprobs * weights).sum())
+            named = [(n, p) for n, p in engine.module.named_parameters() if p.requires_grad]
+            result = {"logprobs": logprobs.detach().tolist(),
+                      "grads": {n: safe_get_full_grad(p).tolist() for n, p in named}}
+            if zero_stage == 3:
+                result["head_partitions"] = {n: [int(p.ds_tensor.numel()), int(p.ds_numel)]
+                                             for n, p in engine.module.named_parameters() if "lm_head" in n}
+            with torch.no_grad():  # and without grad: no recompute, the same values
+                result["no_grad"] = function(engine, tokens, targets).tolist()
+            report[case][path] = result
+    (out_dir / f"rank{rank}.json").write_text(json.dumps(report))
+    exit_rank(0)
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), int(sys.argv[2]))
