@@ -279,14 +279,14 @@ def token_logprobs(model: torch.nn.Module, tokens: torch.Tensor, targets: torch.
     causal = _causal_lm(model)
     if any(getattr(causal.config, name, None) not in (None, 1.0) for name in _LOGIT_TRANSFORMS):
         return _gather_targets(torch.log_softmax(model(input_ids=tokens).logits.float(), dim=-1), targets)
-    hidden = _final_hidden(model, causal, tokens)
     head = causal.get_output_embeddings()
-    if not torch.is_grad_enabled() or not (hidden.requires_grad or _trainable(head)):
-        return torch.cat([_chunk_logprobs(head, h, t) for h, t in _chunks(chunk_tokens, hidden, targets)], dim=1)
-    # With only the output layer training (LoRA on it alone) nothing before it needs a gradient: an empty tensor that
-    # does makes autograd call the backward all the same.
-    wants_backward = torch.empty(0, device=hidden.device, requires_grad=not hidden.requires_grad)
-    with _gathered(head):
+    with _gathered(head):  # ZeRO-3: one all-gather of the output layer for the model's forward and all the chunks
+        hidden = _final_hidden(model, causal, tokens)
+        if not torch.is_grad_enabled() or not (hidden.requires_grad or _trainable(head)):
+            return torch.cat([_chunk_logprobs(head, h, t) for h, t in _chunks(chunk_tokens, hidden, targets)], dim=1)
+        # With only the output layer training (LoRA on it alone) nothing before it needs a gradient: an empty tensor
+        # that does makes autograd call the backward all the same.
+        wants_backward = torch.empty(0, device=hidden.device, requires_grad=not hidden.requires_grad)
         return _OutputLayerLogprobs.apply(hidden, targets, head, chunk_tokens, wants_backward)
 
 
@@ -341,7 +341,7 @@ def token_logprobs_topk(model: torch.nn.Module, tokens: torch.Tensor, targets: t
         chunks = ((_log_softmax(head, h), t) for h, t in _chunks(chunk_tokens, _final_hidden(model, causal, tokens),
                                                                   targets))
     chosen, values, ids = [], [], []
-    for logprobs, t in chunks:
+    for logprobs, t in chunks:  # one chunk's logprobs over the vocabulary at a time
         chosen.append(_gather_targets(logprobs, t))
         top = torch.topk(logprobs, topk, dim=-1)
         values.append(top.values)
@@ -404,15 +404,18 @@ _HELD = -1
 
 @contextlib.contextmanager
 def _gathered(module: torch.nn.Module) -> Iterator[None]:
-    """Under ZeRO-3, ``module``'s parameters gathered once for the whole block (one all-gather), not once per call
-    of the module in it; elsewhere nothing. Its forward hooks would release them after every call."""
+    """Under ZeRO-3, ``module``'s parameters gathered (those not already) once for the whole block, not once per call
+    of the module in it: its hooks would release them after every call. Those it gathered are partitioned again at
+    the end; those already gathered stay DeepSpeed's to release. Elsewhere nothing."""
     params = [p for p in module.parameters() if hasattr(p, "ds_id")]
     if not params:
         yield
         return
     import deepspeed
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
-    with deepspeed.zero.GatheredParameters(params):
+    missing = [p for p in params if p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
+    with deepspeed.zero.GatheredParameters(missing):  # nothing to gather: a no-op
         for p in params:
             p.ds_active_sub_modules.add(_HELD)
         try:
