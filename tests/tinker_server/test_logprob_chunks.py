@@ -5,10 +5,10 @@ logits at once, then ``log_softmax``).
 Tolerance. Each position's logits, softmax and logprob are its own, so chunking changes only float rounding: the
 output layer's matrix product over a chunk's rows may round a row differently from one over all rows (the GEMM
 blocks rows), and the weight gradient is summed over positions chunk by chunk. Logprobs: within ``LOGPROB_ATOL``
-(1e-6, about 8 fp32 ulps of the values here; measured: at most 1e-6, often 0). Gradients: within ``GRAD_RTOL`` (1e-6)
-of each gradient's largest element (measured: at most about 4e-7). With one chunk (T <= chunk) the same kernels run
-on the same shapes: bit for bit. The sampler's scoring (``token_logprobs_topk``) is the same computation: bit for bit
-the training logprobs of the same batch.
+(2e-6, 4 fp32 ulps of logprobs near -5.5; measured: at most 9.5e-7, mostly equal). Gradients: within ``GRAD_RTOL``
+(4e-6) of each gradient's largest element (measured: at most 8.9e-7; a lost or doubled chunk is off by a tenth or
+more). With one chunk (T <= chunk) the same kernels run on the same shapes: bit for bit. The sampler's scoring
+(``token_logprobs_topk``) is the same computation: bit for bit the training logprobs of the same batch.
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ from deepspeed_tinker.sampler import score  # noqa: E402
 pytestmark = pytest.mark.pr("zero-0-1")
 VOCAB = 256  # the byte-level model's
 CHUNK = 8
-LOGPROB_ATOL = 1e-6
-GRAD_RTOL = 1e-6
+LOGPROB_ATOL = 2e-6
+GRAD_RTOL = 4e-6
 RANKS_SCRIPT = Path(__file__).with_name("logprob_chunk_ranks.py")
 LORAS = {"full": None, "lora": LoraSpec(rank=4, seed=0),
          "lora-unembed-only": LoraSpec(rank=4, seed=0, train_attn=False, train_mlp=False, train_unembed=True)}
