@@ -397,32 +397,33 @@ def _gather_targets(logprobs: torch.Tensor, targets: torch.Tensor) -> torch.Tens
     return logprobs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
 
 
-#: Held in a ZeRO-3 parameter's set of active modules while ``_gathered`` holds it: its modules' hooks release a
-#: parameter only when that set is empty.
-_HELD = -1
-
-
 @contextlib.contextmanager
 def _gathered(module: torch.nn.Module) -> Iterator[None]:
-    """Under ZeRO-3, ``module``'s parameters gathered (those not already) once for the whole block, not once per call
-    of the module in it: its hooks would release them after every call. Those it gathered are partitioned again at
-    the end; those already gathered stay DeepSpeed's to release. Elsewhere nothing."""
+    """Under ZeRO-3, ``module``'s parameters gathered once for the whole block (those not already: those it gathers it
+    partitions again at the end) and its tree's forward hooks, DeepSpeed's, set aside meanwhile. The hooks would
+    gather and release the parameters at every call of the module, once per chunk; worse, they record each call in
+    DeepSpeed's module trace, which every rank must walk alike, and the number of chunks is each rank's own (its
+    datums' length): ZeRO-3 fails on the next step ("Detected a disagreement on list length"). Elsewhere nothing."""
     params = [p for p in module.parameters() if hasattr(p, "ds_id")]
     if not params:
         yield
         return
+    import collections
+
     import deepspeed
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
+    modules = list(module.modules())
+    hooks = [(m._forward_pre_hooks, m._forward_hooks) for m in modules]
     missing = [p for p in params if p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
     with deepspeed.zero.GatheredParameters(missing):  # nothing to gather: a no-op
-        for p in params:
-            p.ds_active_sub_modules.add(_HELD)
+        for m in modules:
+            m._forward_pre_hooks, m._forward_hooks = collections.OrderedDict(), collections.OrderedDict()
         try:
             yield
         finally:
-            for p in params:
-                p.ds_active_sub_modules.discard(_HELD)
+            for m, (pre, post) in zip(modules, hooks):
+                m._forward_pre_hooks, m._forward_hooks = pre, post
 
 
 def cross_entropy_sum(logprobs: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

@@ -4,9 +4,11 @@ with the launcher environment (RANK, WORLD_SIZE, MASTER_*) set. Rank r writes ``
 
 Per case (full fine-tuning; LoRA with ``train_unembed``), two engines over the same weights, every parameter
 partitioned under ZeRO-3 (persistence threshold 0): one runs the one-pass path, the other the chunked one, on the
-same rank-specific batch with ``[B, T, K]`` targets; a ``backward`` each, then the reduced gradients of every
-trainable parameter (``safe_get_full_grad``). Under ZeRO-3 the output layer's partitions on this rank are recorded,
-to show they were partitioned, not whole.
+same rank-specific batch with ``[B, T, K]`` targets (rank 0 four chunks, rank 1 two: the ranks must still run the
+same collectives and walk the same ZeRO-3 module trace); two forward and backward passes each (the second on the
+trace DeepSpeed recorded in the first), then the reduced gradients of every trainable parameter
+(``safe_get_full_grad``). Under ZeRO-3 the output layer's partitions on this rank are recorded, to show they were
+partitioned, not whole.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import sys
 from pathlib import Path
 
 CHUNK = 5
+STEPS = 2
 
 
 def nonzero_lora_b(model):
@@ -48,8 +51,9 @@ def main(out_dir: Path, zero_stage: int) -> None:
     if zero_stage == 3:
         config["zero_optimization"]["stage3_param_persistence_threshold"] = 0  # partition even the toy model
     generator = torch.Generator().manual_seed(rank)
-    tokens = torch.randint(0, 256, (2, 3 * CHUNK + 2), generator=generator)  # the last chunk is short
-    targets = torch.randint(0, 256, (2, 3 * CHUNK + 2, 3), generator=generator)
+    length = (3 * CHUNK + 2, CHUNK + 1)[rank % 2]  # ranks with different numbers of chunks; the last one short
+    tokens = torch.randint(0, 256, (2, length), generator=generator)
+    targets = torch.randint(0, 256, (2, length, 3), generator=generator)
     weights = torch.linspace(0.5, 2.0, targets.numel()).reshape(targets.shape)
 
     def one_pass(engine, x, y):
@@ -65,8 +69,9 @@ def main(out_dir: Path, zero_stage: int) -> None:
             module = nonzero_lora_b(build_model("tiny-llama-byte", lora))
             trainable = [p for p in module.parameters() if p.requires_grad]
             engine, *_ = deepspeed.initialize(model=module, model_parameters=trainable, config=config)
-            logprobs = function(engine, tokens, targets)
-            engine.backward((logprobs * weights).sum())
+            for _ in range(STEPS):  # the second pass runs on DeepSpeed's recorded module trace (prefetching)
+                logprobs = function(engine, tokens, targets)
+                engine.backward((logprobs * weights).sum())
             named = [(n, p) for n, p in engine.module.named_parameters() if p.requires_grad]
             result = {"logprobs": logprobs.detach().tolist(),
                       "grads": {n: safe_get_full_grad(p).tolist() for n, p in named}}
