@@ -103,24 +103,31 @@ def test_one_chunk_is_the_one_pass_computation_bit_for_bit(lora: str) -> None:
         assert torch.equal(got_grads[name], grad), name
 
 
-def test_the_sampler_scores_with_the_training_computation() -> None:
-    """``score`` (one completion: the training pass's batch shape) reports the training logprobs bit for bit, and
-    its top-k are the largest of the one-pass logprobs; ``token_logprobs_topk`` chunk for chunk as training."""
-    model = built(LoraSpec(rank=4, seed=3))
-    prompt, completion = torch.tensor(list(b"Score me")), list(b", chunk by chunk")
-    full = torch.cat([prompt, torch.tensor(completion)])
-    tokens, targets = full[:-1].unsqueeze(0), full[1:].unsqueeze(0)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_sampler_scores_with_the_training_computation(dtype: torch.dtype) -> None:
+    """``score`` of three completions (a right-padded batch) reports the training logprobs of that batch bit for bit,
+    SDPA attention and all, and its top-k are the largest of the one-pass logprobs; ``token_logprobs_topk`` is
+    ``token_logprobs`` chunk for chunk."""
+    model = built(LoraSpec(rank=4, seed=3)).to(dtype)
+    prompt = torch.tensor(list(b"Score me"))
+    completions = [(list(text), "length") for text in (b", chunk by chunk", b"!", b" in one batch")]
+    p, length = len(prompt), len(prompt) + max(len(c) for c, _ in completions) - 1
+    tokens, targets = torch.zeros(3, length, dtype=torch.long), torch.zeros(3, length, dtype=torch.long)
+    for i, (completion, _) in enumerate(completions):  # the batch as training pads it: right-padded with zeros
+        full = torch.cat([prompt, torch.tensor(completion)])
+        tokens[i, :len(full) - 1], targets[i, :len(full) - 1] = full[:-1], full[1:]
     with torch.no_grad():
-        trained = token_logprobs(model, tokens, targets)[0, len(prompt) - 1:]
-        reference = torch.log_softmax(model(input_ids=tokens).logits.float(), dim=-1)[0, len(prompt) - 1:]
-        sequence = score(model, prompt, [(completion, "length")], 4)[0]
-        assert torch.equal(torch.from_numpy(sequence.logprobs), trained)
-        top = torch.topk(reference, 4, dim=-1)
-        torch.testing.assert_close(torch.from_numpy(sequence.topk_logprobs), top.values, rtol=0, atol=LOGPROB_ATOL)
-        assert torch.equal(torch.from_numpy(sequence.topk_ids).long(), top.indices)
+        trained = token_logprobs(model, tokens, targets)
+        reference = torch.log_softmax(model(input_ids=tokens).logits.float(), dim=-1)
+        for i, sequence in enumerate(score(model, prompt, completions, 4)):
+            span = slice(p - 1, p - 1 + len(completions[i][0]))
+            assert torch.equal(torch.from_numpy(sequence.logprobs), trained[i, span])
+            top = torch.topk(reference[i, span], 4, dim=-1)
+            torch.testing.assert_close(torch.from_numpy(sequence.topk_logprobs), top.values, rtol=0,
+                                       atol=LOGPROB_ATOL)
         chosen, values, ids = token_logprobs_topk(model, tokens, targets, 2, chunk_tokens=CHUNK)
         assert torch.equal(chosen, token_logprobs(model, tokens, targets, chunk_tokens=CHUNK))
-        assert values.shape == ids.shape == (1, tokens.shape[1], 2)
+        assert values.shape == ids.shape == (3, length, 2)
 
 
 def test_no_logits_larger_than_a_chunk_are_made_or_kept_for_backward() -> None:
