@@ -293,11 +293,11 @@ def token_logprobs(model: torch.nn.Module, tokens: torch.Tensor, targets: torch.
 class _OutputLayerLogprobs(torch.autograd.Function):
     """The output layer's target logprobs a chunk of positions at a time, keeping only ``hidden`` for backward.
 
-    Backward runs each chunk's forward again through the output layer *module* (PEFT's LoRA on it, ZeRO-3's
-    hooks, as any forward) and sums its parameters' gradients over the chunks, then accumulates them once (under
-    ZeRO one reduction of each, as in the one-pass path). They are not inputs of the node: autograd would fire
-    their accumulation hooks (ZeRO's reduction) for a None gradient too, and accumulate a returned one only after
-    ZeRO-3 has partitioned the parameter again.
+    Backward runs each chunk's forward again through the output layer *module* (so PEFT's LoRA on it trains as in
+    any forward) and sums its parameters' gradients over the chunks, then accumulates them once (under ZeRO one
+    reduction of each, as in the one-pass path). They are not inputs of the node: autograd would fire their
+    accumulation hooks (ZeRO's reduction) for a None gradient too, and accumulate a returned one only after ZeRO-3
+    has partitioned the parameter again.
     """
 
     @staticmethod
