@@ -277,9 +277,9 @@ def token_logprobs(model: torch.nn.Module, tokens: torch.Tensor, targets: torch.
     gradient's sum in another order (see tests/tinker_server/test_logprob_chunks.py for how far).
     """
     causal = _causal_lm(model)
-    if any(getattr(causal.config, name, None) not in (None, 1.0) for name in _LOGIT_TRANSFORMS):
-        return _gather_targets(torch.log_softmax(model(input_ids=tokens).logits.float(), dim=-1), targets)
     head = causal.get_output_embeddings()
+    if _one_pass_only(causal, head):
+        return _gather_targets(torch.log_softmax(model(input_ids=tokens).logits.float(), dim=-1), targets)
     with _gathered(head):  # ZeRO-3: one all-gather of the output layer for the model's forward and all the chunks
         hidden = _final_hidden(model, causal, tokens)
         if not torch.is_grad_enabled() or not (hidden.requires_grad or _trainable(head)):
@@ -334,10 +334,10 @@ def token_logprobs_topk(model: torch.nn.Module, tokens: torch.Tensor, targets: t
     """``token_logprobs`` (the same computation, chunk for chunk: the sampler reports what training computes) and
     each position's ``topk`` largest logprobs with their token ids (``[B, T, topk]``; ``topk`` 0: empty)."""
     causal = _causal_lm(model)
-    if any(getattr(causal.config, name, None) not in (None, 1.0) for name in _LOGIT_TRANSFORMS):
+    head = causal.get_output_embeddings()
+    if _one_pass_only(causal, head):
         chunks = [(torch.log_softmax(model(input_ids=tokens).logits.float(), dim=-1), targets)]
     else:
-        head = causal.get_output_embeddings()
         chunks = ((_log_softmax(head, h), t) for h, t in _chunks(chunk_tokens, _final_hidden(model, causal, tokens),
                                                                   targets))
     chosen, values, ids = [], [], []
@@ -347,6 +347,18 @@ def token_logprobs_topk(model: torch.nn.Module, tokens: torch.Tensor, targets: t
         values.append(top.values)
         ids.append(top.indices)
     return torch.cat(chosen, dim=1), torch.cat(values, dim=1), torch.cat(ids, dim=1)
+
+
+def _one_pass_only(causal: torch.nn.Module, head: torch.nn.Module) -> bool:
+    """Whether the output layer must run on all positions in the model's own forward: its logits are changed after it
+    (``_LOGIT_TRANSFORMS``), or, under ZeRO-3, it trains a weight tied to the input embedding. That weight's gradient
+    would be accumulated twice (the embedding's, the chunks'), which ZeRO-3 reduces as two gradients of one
+    parameter in one backward (it asserts); one pass sums them first, as autograd does within one graph."""
+    if any(getattr(causal.config, name, None) not in (None, 1.0) for name in _LOGIT_TRANSFORMS):
+        return True
+    embedding = causal.get_input_embeddings()
+    tied = {id(p) for p in embedding.parameters()} if embedding is not None else set()
+    return any(hasattr(p, "ds_id") and id(p) in tied for p in _trainable(head))
 
 
 def _causal_lm(model: torch.nn.Module) -> torch.nn.Module:
@@ -397,6 +409,10 @@ def _gather_targets(logprobs: torch.Tensor, targets: torch.Tensor) -> torch.Tens
     return logprobs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
 
 
+#: Marks a ZeRO-3 parameter as held in its set of active modules while ``_gathered`` holds it.
+_HELD = -1
+
+
 @contextlib.contextmanager
 def _gathered(module: torch.nn.Module) -> Iterator[None]:
     """Under ZeRO-3, ``module``'s parameters gathered once for the whole block (those not already: those it gathers it
@@ -419,9 +435,13 @@ def _gathered(module: torch.nn.Module) -> Iterator[None]:
     with deepspeed.zero.GatheredParameters(missing):  # nothing to gather: a no-op
         for m in modules:
             m._forward_pre_hooks, m._forward_hooks = collections.OrderedDict(), collections.OrderedDict()
+        for p in params:  # a weight tied to the input embedding: its hooks release only a parameter no module holds
+            p.ds_active_sub_modules.add(_HELD)
         try:
             yield
         finally:
+            for p in params:
+                p.ds_active_sub_modules.discard(_HELD)
             for m, (pre, post) in zip(modules, hooks):
                 m._forward_pre_hooks, m._forward_hooks = pre, post
 

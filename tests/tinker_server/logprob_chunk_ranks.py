@@ -2,7 +2,8 @@
 one-pass path, for ``test_logprob_chunks.py``: ``python tests/tinker_server/logprob_chunk_ranks.py OUT_DIR STAGE``
 with the launcher environment (RANK, WORLD_SIZE, MASTER_*) set. Rank r writes ``OUT_DIR/rank<r>.json``.
 
-Per case (full fine-tuning; LoRA with ``train_unembed``), two engines over the same weights, every parameter
+Per case (full fine-tuning; LoRA with ``train_unembed``; both again on a model whose output layer is tied to its
+embedding), two engines over the same weights, every parameter
 partitioned under ZeRO-3 (persistence threshold 0): one runs the one-pass path, the other the chunked one, on the
 same rank-specific batch with ``[B, T, K]`` targets (rank 0 four chunks, rank 1 two: the ranks must still run the
 same collectives and walk the same ZeRO-3 module trace); two forward and backward passes each (the second on the
@@ -43,7 +44,7 @@ def main(out_dir: Path, zero_stage: int) -> None:
     import deepspeed
     from deepspeed.utils import safe_get_full_grad
 
-    from deepspeed_tinker.model import LoraSpec, build_model, token_logprobs
+    from deepspeed_tinker.model import ATTN_IMPLEMENTATION, LoraSpec, add_lora, build_model, token_logprobs
     from deepspeed_tinker.worker import ds_config
 
     rank = dist.get_rank()
@@ -62,11 +63,29 @@ def main(out_dir: Path, zero_stage: int) -> None:
     def chunked(engine, x, y):
         return token_logprobs(engine, x, y, chunk_tokens=CHUNK)
 
+    def causal_lm(module: torch.nn.Module) -> torch.nn.Module:
+        return module.get_base_model() if hasattr(module, "get_base_model") else module
+
+    def tied(lora: LoraSpec | None) -> torch.nn.Module:
+        """The byte model's shape with the output layer tied to the embedding (GPT-2's, small Qwen3s')."""
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            base = LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
+                                                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                                tie_word_embeddings=True, attn_implementation=ATTN_IMPLEMENTATION))
+        return base if lora is None else add_lora(base, lora)
+
+    cases = {"full": lambda: build_model("tiny-llama-byte", None),
+             "lora": lambda: build_model("tiny-llama-byte", LoraSpec(rank=4, seed=0, train_unembed=True)),
+             "tied-full": lambda: tied(None),  # under ZeRO-3 the one-pass path (see model._one_pass_only)
+             "tied-lora": lambda: tied(LoraSpec(rank=4, seed=0))}  # the tied output layer frozen: chunked
     report: dict = {"rank": rank}
-    for case, lora in (("full", None), ("lora", LoraSpec(rank=4, seed=0, train_unembed=True))):
+    for case, build in cases.items():
         report[case] = {}
         for path, function in (("one_pass", one_pass), ("chunked", chunked)):
-            module = nonzero_lora_b(build_model("tiny-llama-byte", lora))
+            module = nonzero_lora_b(build())
             trainable = [p for p in module.parameters() if p.requires_grad]
             engine, *_ = deepspeed.initialize(model=module, model_parameters=trainable, config=config)
             for _ in range(STEPS):  # the second pass runs on DeepSpeed's recorded module trace (prefetching)
@@ -76,8 +95,9 @@ def main(out_dir: Path, zero_stage: int) -> None:
             result = {"logprobs": logprobs.detach().tolist(),
                       "grads": {n: safe_get_full_grad(p).tolist() for n, p in named}}
             if zero_stage == 3:
+                head = causal_lm(engine.module).get_output_embeddings()
                 result["head_partitions"] = {n: [int(p.ds_tensor.numel()), int(p.ds_numel)]
-                                             for n, p in engine.module.named_parameters() if "lm_head" in n}
+                                             for n, p in head.named_parameters()}
             with torch.no_grad():  # and without grad: no recompute, the same values
                 result["no_grad"] = function(engine, tokens, targets).tolist()
             report[case][path] = result

@@ -200,17 +200,19 @@ def test_a_long_pass_peaks_below_what_its_full_logits_alone_would_take() -> None
 @pytest.mark.parametrize("zero_stage", [2, 3])
 def test_chunks_under_zero_on_real_ranks_match_the_one_pass_path(tmp_path: Path, zero_stage: int) -> None:
     """2 gloo ranks, real DeepSpeed engines with every parameter partitioned (ZeRO-3: persistence threshold 0):
-    full fine-tuning and LoRA with ``train_unembed``, logprobs and reduced gradients of the chunked path against the
-    one-pass path on the same engine weights and batches, the ranks with different numbers of chunks, two passes
-    (the second on ZeRO-3's recorded module trace, which a per-rank number of hooked calls breaks)."""
+    full fine-tuning and LoRA with ``train_unembed``, both also with the output layer tied to the embedding;
+    logprobs and reduced gradients of the chunked path against the one-pass path on the same engine weights and
+    batches, the ranks with different numbers of chunks, two passes (the second on ZeRO-3's recorded module trace,
+    which a per-rank number of hooked calls breaks)."""
     if not unmanaged_stage_supported(zero_stage):
         pytest.skip(f"this DeepSpeed does not support unmanaged mode with ZeRO stage {zero_stage}")
     for report in run_rank_script(RANKS_SCRIPT, [str(zero_stage)], tmp_path, 2, timeout_s=600):
-        for case in ("full", "lora"):
+        for case in ("full", "lora", "tied-full", "tied-lora"):
             one, got = report[case]["one_pass"], report[case]["chunked"]
             if zero_stage == 3:  # the output layer's weights were partitioned, not whole on each rank
                 assert got["head_partitions"] and all(part < whole for part, whole in got["head_partitions"].values())
-            assert any("lm_head" in name for name in got["grads"]), "the output layer trains"
+            if case != "tied-lora":  # LoRA leaves a tied output layer alone (PEFT would untie it)
+                assert any("lm_head" in name or "embed_tokens" in name for name in got["grads"]), "it trains"
             torch.testing.assert_close(torch.tensor(got["logprobs"]), torch.tensor(one["logprobs"]), rtol=0,
                                        atol=LOGPROB_ATOL)
             torch.testing.assert_close(torch.tensor(got["no_grad"]), torch.tensor(got["logprobs"]), rtol=0, atol=0)
