@@ -351,14 +351,14 @@ def token_logprobs_topk(model: torch.nn.Module, tokens: torch.Tensor, targets: t
 
 def _one_pass_only(causal: torch.nn.Module, head: torch.nn.Module) -> bool:
     """Whether the output layer must run on all positions in the model's own forward: its logits are changed after it
-    (``_LOGIT_TRANSFORMS``), or, under ZeRO-3, it trains a weight tied to the input embedding. That weight's gradient
-    would be accumulated twice (the embedding's, the chunks'), which ZeRO-3 reduces as two gradients of one
-    parameter in one backward (it asserts); one pass sums them first, as autograd does within one graph."""
+    (``_LOGIT_TRANSFORMS``), or it trains a weight tied to the input embedding. That weight's gradient would be
+    accumulated twice in one backward (the embedding's, the chunks'), which ZeRO's gradient hooks take for two
+    gradients of one parameter (ZeRO-2 and 3 assert); one pass sums them first, as autograd does within one graph."""
     if any(getattr(causal.config, name, None) not in (None, 1.0) for name in _LOGIT_TRANSFORMS):
         return True
     embedding = causal.get_input_embeddings()
     tied = {id(p) for p in embedding.parameters()} if embedding is not None else set()
-    return any(hasattr(p, "ds_id") and id(p) in tied for p in _trainable(head))
+    return any(id(p) in tied for p in _trainable(head))
 
 
 def _causal_lm(model: torch.nn.Module) -> torch.nn.Module:

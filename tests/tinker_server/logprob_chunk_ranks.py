@@ -79,7 +79,7 @@ def main(out_dir: Path, zero_stage: int) -> None:
 
     cases = {"full": lambda: build_model("tiny-llama-byte", None),
              "lora": lambda: build_model("tiny-llama-byte", LoraSpec(rank=4, seed=0, train_unembed=True)),
-             "tied-full": lambda: tied(None),  # under ZeRO-3 the one-pass path (see model._one_pass_only)
+             "tied-full": lambda: tied(None),  # the one-pass path (model._one_pass_only)
              "tied-lora": lambda: tied(LoraSpec(rank=4, seed=0))}  # the tied output layer frozen: chunked
     report: dict = {"rank": rank}
     for case, build in cases.items():
