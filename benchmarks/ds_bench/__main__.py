@@ -10,6 +10,7 @@
     python -m ds_bench tinker-memory  # the Tinker server's memory per rank (docs/tinker-server/deployment.md)
     python -m ds_bench tinker-sampling  # the Tinker server's sampling throughput (docs/tinker-server/internals.md)
     python -m ds_bench tinker-samplers  # the native and vLLM samplers side by side (docs/tinker-server/sampling.md)
+    python -m ds_bench tinker-logits-memory  # one training pass's memory, 151,936 tokens' vocabulary (internals.md)
 
 The pages and their hand-written analyses are committed in ``benchmarks/results/``; a run's JSON (every round and
 rank) is written beside its page and not committed, except ``*-summary.json``, what another page shows of it.
@@ -297,6 +298,7 @@ OWN_OPTIONS_TOOLS = {
     "tinker-memory": "the Tinker server's peak memory per rank",
     "tinker-sampling": "the Tinker server's sampling throughput",
     "tinker-samplers": "the Tinker server's native and vLLM samplers side by side",
+    "tinker-logits-memory": "the Tinker server's peak memory of one training pass, before and after issue 44",
 }
 
 

@@ -24,6 +24,10 @@ BASE_SEED = 1234
 #: ``hyperparam_utils.get_lora_lr_over_full_finetune_lr(lora_alpha=32)``, as in "LoRA Without Regret".
 DEFAULT_LORA_RANK = 32
 LORA_ALPHA = 32
+#: Attention through ``torch.nn.functional.scaled_dot_product_attention`` (the best kernel the device has: flash
+#: or memory-efficient on GPUs, the flash kernel on CPUs), not ``eager``'s B x heads x T x T probabilities kept for
+#: backward. The sampler's scoring forward uses the same, so its logprobs stay the training pass's bit for bit.
+ATTN_IMPLEMENTATION = "sdpa"
 #: ``--dtype`` values.
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -153,7 +157,7 @@ def build_base(base_model: str, dtype: torch.dtype = torch.float32) -> torch.nn.
         num_key_value_heads=spec.num_kv_heads,
         max_position_embeddings=spec.max_context_length,
         tie_word_embeddings=False,
-        attn_implementation="eager",
+        attn_implementation=ATTN_IMPLEMENTATION,
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(BASE_SEED)
@@ -205,7 +209,10 @@ def _build_local(spec: BaseModelSpec, dtype: torch.dtype = torch.float32) -> tor
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # one bar per model built is noise in a server log
-    return AutoModelForCausalLM.from_pretrained(spec.path, dtype=dtype, attn_implementation="eager")
+    try:
+        return AutoModelForCausalLM.from_pretrained(spec.path, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION)
+    except ValueError:  # an architecture transformers has no SDPA attention for
+        return AutoModelForCausalLM.from_pretrained(spec.path, dtype=dtype, attn_implementation="eager")
 
 
 @contextlib.contextmanager
@@ -249,18 +256,194 @@ def enable_gradient_checkpointing(model: torch.nn.Module) -> int:
     return len(layers)
 
 
-def token_logprobs(model: torch.nn.Module, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+#: Positions per chunk of the output layer: its fp32 logits (B x chunk x vocabulary) are the largest tensor a pass
+#: makes, 1024 x 151,936 x 4 B = 0.6 GB a sequence for Qwen3, instead of T x V (5 GB at 8k tokens).
+LOGITS_CHUNK_TOKENS = 1024
+#: Config attributes of architectures whose forward changes the logits after the output layer (Gemma's soft-capping,
+#: Cohere's scale): the chunked path runs the output layer alone, so these take the one-pass path.
+_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale")
+
+
+def token_logprobs(model: torch.nn.Module, tokens: torch.Tensor, targets: torch.Tensor,
+                   chunk_tokens: int = LOGITS_CHUNK_TOKENS) -> torch.Tensor:
     """``logprobs[b, t] = log p(targets[b, t] | tokens[b, :t+1])`` for a right-padded batch; with
     ``[B, T, K]`` targets (K per position) the result is ``[B, T, K]``.
 
     Right padding needs no attention mask: a causal model never lets a real position attend
-    to a later (padded) one.
+    to a later (padded) one. The model runs without logits (``logits_to_keep`` of no position); the output
+    layer then runs on ``chunk_tokens`` positions at a time, in forward and again in backward
+    (``_OutputLayerLogprobs``), so the ``B x T x V`` fp32 logits never exist at once. One chunk (``T <=
+    chunk_tokens``) is the one-pass computation, bit for bit; more round the output layer's products and its
+    gradient's sum in another order (see tests/tinker_server/test_logprob_chunks.py for how far).
     """
-    logits = model(input_ids=tokens).logits.float()
-    logprobs = torch.log_softmax(logits, dim=-1)
+    causal = _causal_lm(model)
+    head = causal.get_output_embeddings()
+    if _one_pass_only(causal, head):
+        return _gather_targets(torch.log_softmax(model(input_ids=tokens).logits.float(), dim=-1), targets)
+    with _gathered(head):  # ZeRO-3: one all-gather of the output layer for the model's forward and all the chunks
+        hidden = _final_hidden(model, causal, tokens)
+        if not torch.is_grad_enabled() or not (hidden.requires_grad or _trainable(head)):
+            return torch.cat([_chunk_logprobs(head, h, t) for h, t in _chunks(chunk_tokens, hidden, targets)], dim=1)
+        # With only the output layer training (LoRA on it alone) nothing before it needs a gradient: an empty tensor
+        # that does makes autograd call the backward all the same.
+        wants_backward = torch.empty(0, device=hidden.device, requires_grad=not hidden.requires_grad)
+        return _OutputLayerLogprobs.apply(hidden, targets, head, chunk_tokens, wants_backward)
+
+
+class _OutputLayerLogprobs(torch.autograd.Function):
+    """The output layer's target logprobs a chunk of positions at a time, keeping only ``hidden`` for backward.
+
+    Backward runs each chunk's forward again through the output layer *module* (so PEFT's LoRA on it trains as in
+    any forward) and sums its parameters' gradients over the chunks, then accumulates them once (under ZeRO one
+    reduction of each, as in the one-pass path). They are not inputs of the node: autograd would fire their
+    accumulation hooks (ZeRO's reduction) for a None gradient too, and accumulate a returned one only after ZeRO-3
+    has partitioned the parameter again.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, hidden: torch.Tensor, targets: torch.Tensor, head: torch.nn.Module, chunk_tokens: int,
+                wants_backward: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(hidden, targets)
+        ctx.head, ctx.chunk_tokens = head, chunk_tokens
+        return torch.cat([_chunk_logprobs(head, h, t) for h, t in _chunks(chunk_tokens, hidden, targets)], dim=1)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        hidden, targets = ctx.saved_tensors
+        params = _trainable(ctx.head)
+        sums: list[torch.Tensor | None] = [None] * len(params)
+        hidden_grads = []
+        with torch.enable_grad(), _gathered(ctx.head):
+            for h, t, g in _chunks(ctx.chunk_tokens, hidden, targets, grad):
+                h = h.detach().requires_grad_()
+                h_grad, *got = torch.autograd.grad(_chunk_logprobs(ctx.head, h, t), [h, *params], g,
+                                                   allow_unused=True)
+                hidden_grads.append(h_grad)
+                sums = [b if a is None else a if b is None else a + b for a, b in zip(sums, got)]
+            # Here, while gathered: autograd's accumulation and ZeRO-3's gradient hooks need the whole parameter.
+            accumulate = [(p, s) for p, s in zip(params, sums) if s is not None]
+            if accumulate:
+                torch.autograd.backward([p for p, _ in accumulate], [s for _, s in accumulate])
+        hidden_grad = torch.cat(hidden_grads, dim=1) if ctx.needs_input_grad[0] else None
+        return hidden_grad, None, None, None, None
+
+
+@torch.no_grad()
+def token_logprobs_topk(model: torch.nn.Module, tokens: torch.Tensor, targets: torch.Tensor, topk: int,
+                        chunk_tokens: int = LOGITS_CHUNK_TOKENS) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``token_logprobs`` (the same computation, chunk for chunk: the sampler reports what training computes) and
+    each position's ``topk`` largest logprobs with their token ids (``[B, T, topk]``; ``topk`` 0: empty)."""
+    causal = _causal_lm(model)
+    head = causal.get_output_embeddings()
+    if _one_pass_only(causal, head):
+        chunks = [(torch.log_softmax(model(input_ids=tokens).logits.float(), dim=-1), targets)]
+    else:
+        chunks = ((_log_softmax(head, h), t) for h, t in _chunks(chunk_tokens, _final_hidden(model, causal, tokens),
+                                                                  targets))
+    chosen, values, ids = [], [], []
+    for logprobs, t in chunks:  # one chunk's logprobs over the vocabulary at a time
+        chosen.append(_gather_targets(logprobs, t))
+        top = torch.topk(logprobs, topk, dim=-1)
+        values.append(top.values)
+        ids.append(top.indices)
+    return torch.cat(chosen, dim=1), torch.cat(values, dim=1), torch.cat(ids, dim=1)
+
+
+def _one_pass_only(causal: torch.nn.Module, head: torch.nn.Module) -> bool:
+    """Whether the output layer must run on all positions in the model's own forward: its logits are changed after it
+    (``_LOGIT_TRANSFORMS``), or it trains a weight tied to the input embedding. That weight's gradient would be
+    accumulated twice in one backward (the embedding's, the chunks'), which ZeRO's gradient hooks take for two
+    gradients of one parameter (ZeRO-2 and 3 assert); one pass sums them first, as autograd does within one graph."""
+    if any(getattr(causal.config, name, None) not in (None, 1.0) for name in _LOGIT_TRANSFORMS):
+        return True
+    embedding = causal.get_input_embeddings()
+    tied = {id(p) for p in embedding.parameters()} if embedding is not None else set()
+    return any(id(p) in tied for p in _trainable(head))
+
+
+def _causal_lm(model: torch.nn.Module) -> torch.nn.Module:
+    """The Hugging Face causal LM inside a DeepSpeed engine and/or a PEFT wrapper."""
+    model = getattr(model, "module", model)  # a DeepSpeed engine
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def _final_hidden(model: torch.nn.Module, causal: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """The decoder's last hidden states (after its final norm), from a forward of ``model`` (the engine: its hooks
+    run) that makes logits for no position."""
+    captured: list[torch.Tensor] = []
+
+    def keep(module: torch.nn.Module, args: Any, output: Any) -> None:
+        captured.append(output[0] if isinstance(output, tuple) else output.last_hidden_state)
+
+    hook = causal.get_decoder().register_forward_hook(keep)
+    try:
+        model(input_ids=tokens, logits_to_keep=torch.empty(0, dtype=torch.long, device=tokens.device))
+    finally:
+        hook.remove()
+    return captured[-1]
+
+
+def _trainable(head: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The output layer's parameters that take gradients, each once, in module order."""
+    return list({id(p): p for p in head.parameters() if p.requires_grad}.values())
+
+
+def _chunks(chunk_tokens: int, *tensors: torch.Tensor) -> Iterator[tuple[torch.Tensor, ...]]:
+    """``tensors`` cut into the same slices of ``chunk_tokens`` positions (dimension 1)."""
+    for start in range(0, tensors[0].shape[1], chunk_tokens):
+        yield tuple(t[:, start:start + chunk_tokens] for t in tensors)
+
+
+def _chunk_logprobs(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return _gather_targets(_log_softmax(head, hidden), targets)
+
+
+def _log_softmax(head: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """fp32 logprobs over the vocabulary at ``hidden``'s positions."""
+    return torch.log_softmax(head(hidden).float(), dim=-1)
+
+
+def _gather_targets(logprobs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     if targets.dim() == 3:
         return logprobs.gather(-1, targets)
     return logprobs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+#: Marks a ZeRO-3 parameter as held in its set of active modules while ``_gathered`` holds it.
+_HELD = -1
+
+
+@contextlib.contextmanager
+def _gathered(module: torch.nn.Module) -> Iterator[None]:
+    """Under ZeRO-3, ``module``'s parameters gathered once for the whole block (those not already: those it gathers it
+    partitions again at the end) and its tree's forward hooks, DeepSpeed's, set aside meanwhile. The hooks would
+    gather and release the parameters at every call of the module, once per chunk; worse, they record each call in
+    DeepSpeed's module trace, which every rank must walk alike, and the number of chunks is each rank's own (its
+    datums' length): ZeRO-3 fails on the next step ("Detected a disagreement on list length"). Elsewhere nothing."""
+    params = [p for p in module.parameters() if hasattr(p, "ds_id")]
+    if not params:
+        yield
+        return
+    import collections
+
+    import deepspeed
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    modules = list(module.modules())
+    hooks = [(m._forward_pre_hooks, m._forward_hooks) for m in modules]
+    missing = [p for p in params if p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
+    with deepspeed.zero.GatheredParameters(missing):  # nothing to gather: a no-op
+        for m in modules:
+            m._forward_pre_hooks, m._forward_hooks = collections.OrderedDict(), collections.OrderedDict()
+        for p in params:  # a weight tied to the input embedding: its hooks release only a parameter no module holds
+            p.ds_active_sub_modules.add(_HELD)
+        try:
+            yield
+        finally:
+            for p in params:
+                p.ds_active_sub_modules.discard(_HELD)
+            for m, (pre, post) in zip(modules, hooks):
+                m._forward_pre_hooks, m._forward_hooks = pre, post
 
 
 def cross_entropy_sum(logprobs: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

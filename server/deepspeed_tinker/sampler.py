@@ -7,9 +7,10 @@ ZeRO state are never touched by a sample, so sampling in the middle of an accumu
 nothing in that step, and a sampler sees exactly the weights of the last ``optim_step`` before
 the snapshot.
 
-Reported logprobs come from one full forward over prompt + completion with the same
-``token_logprobs`` the training side uses (not from the incremental decoding pass), so they
-equal a training ``forward`` on the same tokens up to float rounding. They are the model's own
+Reported logprobs come from one full forward over prompt + completion with the same computation as
+the training side's ``token_logprobs`` (``token_logprobs_topk``: the same chunks of the output layer), not
+from the incremental decoding pass, so they equal a training ``forward`` on the same tokens up to float
+rounding. They are the model's own
 logprobs, independent of temperature, top-k and top-p.
 """
 
@@ -25,7 +26,7 @@ import torch
 
 from .checkpoint_files import read_weights
 from .errors import UserError
-from .model import BASE_MODELS, LoraSpec, build_base, build_model, token_logprobs
+from .model import BASE_MODELS, LoraSpec, build_base, build_model, token_logprobs_topk
 from .sampling import DEFAULT_SNAPSHOT_BYTES, MAX_SNAPSHOTS, SampledSequence, SampleJob, SnapshotRef
 
 #: Beside the weights (``checkpoint_files``) of a named snapshot: its base model and LoRA config.
@@ -424,16 +425,13 @@ def score(module: torch.nn.Module, prompt: torch.Tensor, completions: list[tuple
         full = torch.cat([prompt, torch.tensor(completion, dtype=torch.long, device=prompt.device)])
         tokens[i, :len(full) - 1] = full[:-1]
         targets[i, :len(full) - 1] = full[1:]
-    logits = module(input_ids=tokens).logits.float()
-    logprobs = torch.log_softmax(logits, dim=-1)
-    chosen = logprobs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    chosen, top_values, top_ids = token_logprobs_topk(module, tokens, targets, topk)
     out = []
     for i, (completion, reason) in enumerate(completions):
         span = slice(p - 1, p - 1 + len(completion))
         ids = values = None
         if topk:
-            top = torch.topk(logprobs[i, span], topk, dim=-1)
-            ids, values = top.indices.to(torch.int32).cpu().numpy(), top.values.cpu().numpy()
+            ids, values = top_ids[i, span].to(torch.int32).cpu().numpy(), top_values[i, span].cpu().numpy()
         out.append(SampledSequence(np.asarray(completion, np.int32), chosen[i, span].cpu().numpy().copy(), reason,
                                    ids, values))
     return out
@@ -446,14 +444,13 @@ def prompt_logprobs(module: torch.nn.Module, prompt: torch.Tensor, job: SampleJo
     values = np.full(p, np.nan, np.float32)
     result: dict[str, np.ndarray] = {}
     if p > 1:
-        lp = token_logprobs(module, prompt[:-1].unsqueeze(0), prompt[1:].unsqueeze(0))[0].cpu().numpy()
-        values[1:] = lp
+        lp, top_values, top_ids = token_logprobs_topk(module, prompt[:-1].unsqueeze(0), prompt[1:].unsqueeze(0),
+                                                      job.topk_prompt_logprobs)
+        values[1:] = lp[0].cpu().numpy()
         if job.topk_prompt_logprobs:
-            logits = module(input_ids=prompt[:-1].unsqueeze(0)).logits.float()[0]
-            top = torch.topk(torch.log_softmax(logits, dim=-1), job.topk_prompt_logprobs, dim=-1)
             ids = np.zeros((p, job.topk_prompt_logprobs), np.int32)
             vals = np.full((p, job.topk_prompt_logprobs), -99999.0, np.float32)  # the SDK's "nothing here"
-            ids[1:], vals[1:] = top.indices.cpu().numpy(), top.values.cpu().numpy()
+            ids[1:], vals[1:] = top_ids[0].cpu().numpy(), top_values[0].cpu().numpy()
             result["topk_ids"], result["topk_logprobs"] = ids, vals
     if job.prompt_logprobs_last_n is not None:
         values[:p - job.prompt_logprobs_last_n] = np.nan
