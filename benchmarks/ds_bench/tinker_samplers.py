@@ -42,6 +42,7 @@ SECONDS_PER_LEVEL = 8.0
 def _server(tmp: Path, model_dir: Path, sampler: str, vllm_python: str | None) -> Any:
     from deepspeed_tinker.launch import ServerProcess
 
+    tmp.mkdir(parents=True, exist_ok=True)
     keys = tmp / "keys"
     keys.write_text(KEY + "\n")
     extra = ["--device", "cpu", "--api-keys-file", str(keys), "--base-model", f"{QWEN}={model_dir}",
@@ -206,6 +207,7 @@ def main(argv: list[str]) -> None:
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TQDM_DISABLE", "1")
+    os.environ["TINKER_API_KEY"] = KEY  # tinker-cookbook's clients read it there
     import subprocess
 
     from deepspeed_tinker.tiny_models import build_tiny_model
