@@ -57,6 +57,7 @@ _ds_series_inputs_digest() {
         for f in "${DS_SERIES_REQUIREMENTS[@]}" requirements/*.txt pyproject.toml tools/ds_series/build_backend.py \
             tools/ds_series/stack.py patches/*/base.toml patches/*/series patches/*/*.patch patches/*/*/*.patch \
             "${DS_SERIES_PACKAGES[@]/%//pyproject.toml}"; do
+            [[ "$f" == requirements/vllm.txt ]] && continue  # vLLM's own environment (tools/vllm-env.sh), not this one
             [[ -f "$f" ]] && printf '%s\n' "$f" && cat "$f"
         done
         echo "base $DS_SERIES_BASE"

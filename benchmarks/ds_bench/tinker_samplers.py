@@ -90,7 +90,7 @@ async def _throughput(client: Any, concurrency: int, seconds: float) -> float:
         nonlocal tokens
         while time.perf_counter() < deadline:
             seeded = types.SamplingParams(**{**params.model_dump(), "seed": seed})
-            result = await client.sample_async(prompt, 1, seeded)
+            result = await client.sample(prompt, 1, seeded)
             tokens += sum(len(s.tokens) for s in result.sequences)
             seed += 1000
 

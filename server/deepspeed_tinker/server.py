@@ -149,7 +149,8 @@ def _execute_batch(worker: Worker, jobs: list[Job], futures: FutureStore, drain:
     return done
 
 
-def _start_vllm(config: ServerConfig, futures: FutureStore) -> tuple[VllmProcess | None, VllmSampler | None]:
+def _start_vllm(config: ServerConfig, futures: FutureStore,
+                gpu: bool) -> tuple[VllmProcess | None, VllmSampler | None]:
     """With ``--sampler vllm``: vLLM serving the one ``--base-model`` (started here unless ``--vllm-url``), and rank
     0's client of it."""
     if config.sampler != "vllm":
@@ -159,7 +160,8 @@ def _start_vllm(config: ServerConfig, futures: FutureStore) -> tuple[VllmProcess
                          f"{len(config.base_models)}")
     name, path = parse_base_model(config.base_models[0])
     spec = BASE_MODELS[name or str(Path(path).expanduser().resolve())]
-    options = replace(config.vllm_options(), snapshots=config.sampler_snapshots)
+    options = replace(config.vllm_options(), snapshots=config.sampler_snapshots, gpu=gpu,
+                      dtype="bfloat16" if config.dtype == "bf16" else "float32")
     process = None
     url = config.vllm_url
     if url is None:
@@ -179,7 +181,7 @@ def _drive(worker: Worker, config: ServerConfig, watch: PeerWatch | None) -> Non
                           config.retrieved_grace_s)
     scheduler = Scheduler(futures)
     tokenizer_dir = write_byte_tokenizer(config.checkpoint_root / "tokenizers" / "byte-level")
-    vllm_process, vllm = _start_vllm(config, futures)
+    vllm_process, vllm = _start_vllm(config, futures, worker.device.type == "cuda")
     api = TinkerApi(scheduler, ApiSettings(config.checkpoint_root, config.max_chunk_datums, config.compress_fwdbwd,
                                            config.long_poll_s, tokenizer_dir.resolve(),
                                            keep_checkpoints=config.keep_checkpoints,

@@ -77,6 +77,11 @@ class VllmOptions:
     threads: int = 1
     #: Unnamed snapshots kept on disk per model (``--sampler-snapshots``).
     snapshots: int = 8
+    #: The weights' dtype in vLLM (the server's ``--dtype``), and whether vLLM runs on the GPU beside the ranks: then
+    #: it takes ``gpu_memory_fraction`` of the GPU's memory (the rest is training's) and captures CUDA graphs.
+    dtype: str = "float32"
+    gpu: bool = False
+    gpu_memory_fraction: float = 0.3
     startup_timeout_s: float = 300.0
     request_timeout_s: float = 600.0
 
@@ -105,8 +110,12 @@ class VllmProcess:
                    "--served-model-name", served_name, "--host", "127.0.0.1", "--port", str(self.port),
                    "--enable-lora", "--max-lora-rank", str(options.max_lora_rank), "--max-loras",
                    str(options.adapters), "--max-cpu-loras", str(options.adapters), "--max-logprobs", "-1",
-                   "--max-model-len", str(max_model_len), "--enforce-eager", "--dtype", "float32",
+                   "--max-model-len", str(max_model_len), "--dtype", options.dtype,
                    "--disable-log-stats", "--uvicorn-log-level", "warning"]
+        if options.gpu:
+            command += ["--gpu-memory-utilization", str(options.gpu_memory_fraction)]
+        else:  # on CPUs torch.compile and CUDA graphs buy nothing
+            command += ["--enforce-eager"]
         env = dict(os.environ, VLLM_ALLOW_RUNTIME_LORA_UPDATING="True",
                    VLLM_CPU_KVCACHE_SPACE=str(options.kv_cache_gib), OMP_NUM_THREADS=str(options.threads),
                    VLLM_CPU_OMP_THREADS_BIND="nobind")
