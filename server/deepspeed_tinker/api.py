@@ -14,6 +14,7 @@ import json
 import logging
 import math
 import random
+import shutil
 import threading
 import time
 from dataclasses import asdict, dataclass, replace
@@ -44,7 +45,7 @@ from .sampling import SampleResult, SnapshotRef, encode_sample_response, parse_s
 from .scheduler import Future, FutureStore, FutureStoreFull, QueuePosition, Scheduler
 from .sessions import ModelRecord, SamplingSession, SessionRegistry, session_of
 from .stability import StabilityRecords, resolve_provenance
-from .vllm_sampler import FULL_WEIGHTS_REFUSED, VllmSampler
+from .vllm_sampler import FULL_WEIGHTS_REFUSED, VllmSampler, snapshots_folder
 from .wire import (
     PROTO_CONTENT_TYPE,
     PROVENANCE_LOSSES,
@@ -268,7 +269,7 @@ class TinkerApi:
         message = f"session {session_id} was closed: {reason}"
         self.scheduler.drop_session(session_id, message)
         for model_id in sorted(model_ids):  # internal: bookkeeping is never refused; in the session's turns
-            self.scheduler.submit(JobKind.UNLOAD, model_id, internal=True, session=session_id)
+            self.scheduler.submit(JobKind.UNLOAD, model_id, model_id, internal=True, session=session_id)
         log.warning("closed session %s (%s): %d model(s) unloaded", session_id, reason, len(model_ids))
         return len(model_ids)
 
@@ -278,7 +279,7 @@ class TinkerApi:
         for model_id in model_ids:
             self.scheduler.close_model(model_id, f"session {session_id} was finished by its client before the "
                                        "seq_id this request waited behind arrived")
-            self.scheduler.submit(JobKind.UNLOAD, model_id, internal=True, session=session_id)
+            self.scheduler.submit(JobKind.UNLOAD, model_id, model_id, internal=True, session=session_id)
         return json_response({})
 
     def sessions(self) -> int:
@@ -289,6 +290,9 @@ class TinkerApi:
         session_id = str(body.get("session_id", ""))
         self.registry.check(session_id)
         base_model = canonical_base_model(base_model)
+        if self.vllm is not None and lora is not None and lora.rank > self.vllm.options.max_lora_rank:
+            raise UserError(f"lora_config.rank {lora.rank} is over {self.vllm.options.max_lora_rank}, the largest "
+                            "this server's vLLM sampler takes (--vllm-max-lora-rank)")
         optimizer = (body.get("optimizer_config") or {}).get("type", "adamw")
         if optimizer != "adamw":
             raise UserError(f"unsupported optimizer {optimizer!r}: this server runs AdamW")
@@ -331,9 +335,6 @@ class TinkerApi:
                                 train_unembed=bool(raw_lora.get("train_unembed", True)))
                 if not lora.target_modules():
                     raise UserError("lora_config trains nothing (train_attn, train_mlp, train_unembed all false)")
-                if self.vllm is not None and rank > self.vllm.options.max_lora_rank:
-                    raise UserError(f"lora_config.rank {rank} is over {self.vllm.options.max_lora_rank}, the largest "
-                                    "this server's vLLM sampler takes (--vllm-max-lora-rank)")
             record = self._new_model(request, lora, str(request.get("base_model", "")))
             return self._open(record, [(JobKind.CREATE, record)])
         except UserError as e:
@@ -565,6 +566,10 @@ class TinkerApi:
         self.store.add_checkpoint(checkpoint.run_id, checkpoint.checkpoint_id, directory, directory_size(directory),
                                   checkpoint.ttl_seconds, checkpoint.user_metadata)
         self.prune_checkpoints(checkpoint.run_id)
+
+    def forget_model(self, model_id: str) -> None:
+        """A model was unloaded: its unnamed sampler snapshots' adapters (``--sampler vllm``) go with it."""
+        shutil.rmtree(snapshots_folder(self.settings.checkpoint_root, model_id), ignore_errors=True)
 
     def forget_checkpoint(self, checkpoint: CheckpointRecord) -> None:
         """A save is about to replace this checkpoint: unlisted first, so nobody loads it half written."""

@@ -32,6 +32,9 @@ class Recorder(Protocol):
     def forget_checkpoint(self, checkpoint: CheckpointRecord) -> None:
         """A checkpoint is about to be overwritten: unlist it first."""
 
+    def forget_model(self, model_id: str) -> None:
+        """A model was unloaded on every rank: delete what it kept only for itself (its sampler snapshots' files)."""
+
 
 class StepRole(enum.Enum):
     """A kind's part in the log line of a training step (``metrics``)."""
@@ -99,7 +102,8 @@ class Command:
 COMMANDS: dict[JobKind, Command] = {
     JobKind.CREATE: Command(lambda worker, model_id, record: worker.create(model_id, record),
                             record=lambda recorder, record: recorder.record_run(record)),
-    JobKind.UNLOAD: Command(lambda worker, model_id, _: worker.unload(model_id), step=StepRole.FORGET),
+    JobKind.UNLOAD: Command(lambda worker, model_id, _: worker.unload(model_id), step=StepRole.FORGET,
+                            record=lambda recorder, model_id: recorder.forget_model(model_id)),
     JobKind.FORWARD_BACKWARD: Command(lambda worker, model_id, request: worker.forward_backward(model_id, request),
                                       _concatenate_datums, tokens="train", step=StepRole.ACCUMULATE),
     JobKind.FORWARD: Command(lambda worker, model_id, request: worker.forward_backward(model_id, request),

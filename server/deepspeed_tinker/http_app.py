@@ -162,6 +162,8 @@ def build_app(api: TinkerApi, settings: HttpSettings = HttpSettings()) -> FastAP
     async def healthz() -> HttpResponse:
         # A server draining after a fault (see faults) is not healthy: a load balancer or supervisor sees 503.
         fault = api.futures.failed_with
+        if fault is None and api.vllm is not None and api.vllm.process is not None:
+            fault = api.vllm.process.exited()  # samples fail with it; training goes on
         if fault is not None:
             return to_http(json_response({"status": "failed", "error": fault}, status=503))
         return to_http(json_response({"status": "ok"}))

@@ -169,7 +169,7 @@ def _start_vllm(config: ServerConfig, futures: FutureStore,
                               config.checkpoint_root / "vllm.log")
         print(f"[tinker-server] starting vLLM for {spec.name} (log: {process.log_file})", flush=True)
         url = process.wait_ready()
-    return process, VllmSampler(url, spec.name, futures, options)
+    return process, VllmSampler(url, spec.name, futures, options, process)
 
 
 def _drive(worker: Worker, config: ServerConfig, watch: PeerWatch | None) -> None:

@@ -34,6 +34,7 @@ from typing import Any
 import httpx
 import numpy as np
 
+from .errors import UserError
 from .jobs import JobKind
 from .sampling import SampledSequence, SampleJob, SampleResult, SnapshotRef
 from .scheduler import FutureStore
@@ -49,8 +50,10 @@ DEFAULT_ADAPTERS = 8
 DEFAULT_MAX_LORA_RANK = 64
 #: A top-k slot with no token (the first prompt position): the SDK's "nothing here", as the ranks' sampler writes it.
 NO_LOGPROB = -99999.0
-#: vLLM requests in flight at once (vLLM queues the rest itself; this bounds the server's open connections).
+#: vLLM requests (one per sample) in flight at once (this bounds the server's open connections), and one session's
+#: share of them: the rest of a session's samples wait here, so one client's flood leaves room for the others.
 MAX_IN_FLIGHT = 256
+MAX_IN_FLIGHT_PER_SESSION = 64
 
 
 FULL_WEIGHTS_REFUSED = ("full fine-tuning weights cannot be sampled with --sampler vllm (vLLM serves the base weights "
@@ -86,9 +89,17 @@ class VllmOptions:
     request_timeout_s: float = 600.0
 
 
+#: The most top-k logprobs per position a request may ask of vLLM (the hosted service's limit): each is a JSON entry
+#: per position and sample in vLLM's answer.
+MAX_TOPK = 20
+
+
 def adapter_name(directory: str) -> str:
-    """A stable vLLM model name for the adapter in ``directory``."""
-    return "lora-" + hashlib.sha256(str(Path(directory).resolve()).encode()).hexdigest()[:16]
+    """The vLLM model name of the adapter now in ``directory``: its path and its weights file's version, so a
+    checkpoint saved again under the same name (``overwrite``) is registered as the new weights it is."""
+    weights = Path(directory) / "adapter_model.safetensors"
+    version = weights.stat().st_mtime_ns if weights.exists() else 0
+    return "lora-" + hashlib.sha256(f"{Path(directory).resolve()}@{version}".encode()).hexdigest()[:16]
 
 
 class VllmProcess:
@@ -133,6 +144,7 @@ class VllmProcess:
         deadline = time.monotonic() + self.timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
+                self.stop()
                 raise VllmUnavailable(f"vLLM exited with {self.process.returncode} while starting:\n{self._tail()}")
             try:
                 healthy = httpx.get(self.url + "/health", timeout=2).status_code == 200
@@ -148,14 +160,24 @@ class VllmProcess:
     def _warm_up(self) -> None:
         """One token, so a model vLLM cannot run (e.g. a head size its CPU attention lacks) fails the start, not the
         first client's sample."""
-        response = httpx.post(self.url + "/v1/completions", timeout=self.timeout_s,
-                              json={"model": self.served_name, "prompt": [0], "max_tokens": 1})
+        try:
+            response = httpx.post(self.url + "/v1/completions", timeout=self.timeout_s,
+                                  json={"model": self.served_name, "prompt": [0], "max_tokens": 1})
+        except httpx.HTTPError as e:
+            self.stop()
+            raise VllmUnavailable(f"vLLM did not answer a first sample: {e}\n{self._tail()}") from None
         if response.status_code != 200:
             self.stop()
             raise VllmUnavailable(f"vLLM cannot sample {self.served_name}: {response.text[:300]}\n{self._tail()}")
 
     def _tail(self, lines: int = 20) -> str:
         return "\n".join(self.log_file.read_text(errors="replace").splitlines()[-lines:])
+
+    def exited(self) -> str | None:
+        """Why vLLM is gone (its exit code and log), or None while it runs."""
+        if self.process.poll() is None:
+            return None
+        return f"vLLM exited with code {self.process.returncode} (its log: {self.log_file})"
 
     def stop(self) -> None:
         if self.process.poll() is None:
@@ -165,7 +187,8 @@ class VllmProcess:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
-        self._log.close()
+        if not self._log.closed:
+            self._log.close()
 
 
 def _exit_with_parent() -> None:
@@ -179,12 +202,19 @@ class VllmSampler:
     """Rank 0's client of vLLM: ``submit`` creates the request's future and returns at once; a thread of its own
     runs the requests on an event loop and resolves the futures."""
 
-    def __init__(self, url: str, served_name: str, futures: FutureStore, options: VllmOptions) -> None:
+    def __init__(self, url: str, served_name: str, futures: FutureStore, options: VllmOptions,
+                 process: VllmProcess | None = None) -> None:
         self.url = url.rstrip("/")
+        #: The vLLM this server started (None: ``--vllm-url``'s); ``/healthz`` reports it once it exited.
+        self.process = process
         self.served_name = served_name
         self.futures = futures
         self.options = options
         self._adapters: collections.OrderedDict[str, None] = collections.OrderedDict()  # registered, LRU first
+        self._in_use: collections.Counter[str] = collections.Counter()  # adapter -> requests sampling it now
+        self._slots: dict[str, asyncio.Semaphore] = {}  # session -> its samples' share of MAX_IN_FLIGHT
+        self._waiting: collections.Counter[str] = collections.Counter()  # session -> its requests here
+        self._closed = False
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="vllm-sampler", daemon=True)
         self._thread.start()
@@ -205,21 +235,32 @@ class VllmSampler:
     def snapshot_dir(self, root: Path, model_id: str, snapshot_id: str) -> Path:
         """Where an unnamed snapshot's adapter goes; the model's older ones beyond the newest ``snapshots - 1`` are
         deleted now (a sampling client of one gets a clear error, as when the ranks' sampler evicted it)."""
-        folder = root / model_id.replace("/", "_") / SNAPSHOTS_FOLDER
-        if folder.is_dir():
-            kept = sorted(folder.iterdir(), key=lambda p: p.stat().st_mtime)
-            for old in kept[:max(0, len(kept) - (self.options.snapshots - 1))]:
-                shutil.rmtree(old, ignore_errors=True)
+        folder = snapshots_folder(root, model_id)
+        saved = []
+        for path in folder.iterdir() if folder.is_dir() else ():
+            try:
+                if not path.name.startswith("."):  # a save's staging directory is not a snapshot
+                    saved.append((path.stat().st_mtime, path))
+            except FileNotFoundError:
+                continue
+        for _, old in sorted(saved)[:max(0, len(saved) - max(1, self.options.snapshots - 1))]:
+            shutil.rmtree(old, ignore_errors=True)
         return folder / snapshot_id
 
     def submit(self, job: SampleJob, session: str, owner: str) -> str:
         """Queue a validated sample on vLLM; its request id (FutureStoreFull if the session or store is full)."""
+        if max(job.topk_prompt_logprobs, job.topk_sample_logprobs) > MAX_TOPK:
+            raise SampleRefused(f"topk_prompt_logprobs and topk_sample_logprobs must be at most {MAX_TOPK} with "
+                                "--sampler vllm")
         future = self.futures.create(session)
         self.futures.describe(future.request_id, JobKind.SAMPLE, owner)
-        asyncio.run_coroutine_threadsafe(self._run(future.request_id, job), self._loop)
+        asyncio.run_coroutine_threadsafe(self._run(future.request_id, job, session), self._loop)
         return future.request_id
 
     def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
         try:
             self._call(self._client.aclose())
         finally:
@@ -228,18 +269,35 @@ class VllmSampler:
 
     # ------------------------------------------------------------------ requests
 
-    async def _run(self, request_id: str, job: SampleJob) -> None:
+    async def _run(self, request_id: str, job: SampleJob, session: str) -> None:
+        model = None
+        slots = self._slots.setdefault(session, asyncio.Semaphore(MAX_IN_FLIGHT_PER_SESSION))
+        self._waiting[session] += 1
         try:
             model = await self._model_for(job.snapshot)
-            choices = await asyncio.gather(*(self._complete(model, job, i) for i in range(job.num_samples)))
-            self.futures.resolve(request_id, self._result(job, choices))
+            async with asyncio.TaskGroup() as group:  # one sample failing cancels the others
+                tasks = [group.create_task(self._complete(model, job, i, slots)) for i in range(job.num_samples)]
+            self.futures.resolve(request_id, self._result(job, [task.result() for task in tasks]))
         except SampleRefused as e:
             self.futures.fail(request_id, str(e), "user")
         except Exception as e:  # vLLM down, or an answer we cannot read: the client sees a server error
-            log.exception("vLLM sampling failed for %s", request_id)
-            self.futures.fail(request_id, f"the vLLM sampler failed: {type(e).__name__}: {e}", "server")
+            error = e.exceptions[0] if isinstance(e, ExceptionGroup) else e
+            if self.process is not None and self.process.exited():
+                error = VllmUnavailable(self.process.exited())
+            log.error("vLLM sampling failed for %s: %s: %s", request_id, type(error).__name__, error)
+            self.futures.fail(request_id, f"the vLLM sampler failed: {type(error).__name__}: {error}", "server")
+        finally:
+            if model is not None and model != self.served_name:
+                self._in_use[model] -= 1
+            self._waiting[session] -= 1
+            if not self._waiting[session]:  # the session's last request here: its slots go
+                del self._waiting[session], self._slots[session]
 
-    async def _complete(self, model: str, job: SampleJob, index: int) -> dict[str, Any]:
+    async def _complete(self, model: str, job: SampleJob, index: int, slots: asyncio.Semaphore) -> dict[str, Any]:
+        async with slots:
+            return await self._complete_one(model, job, index)
+
+    async def _complete_one(self, model: str, job: SampleJob, index: int) -> dict[str, Any]:
         body: dict[str, Any] = {
             "model": model, "prompt": list(job.prompt), "max_tokens": job.max_tokens, "n": 1,
             "temperature": job.temperature, "top_p": job.top_p, "top_k": job.top_k, "seed": job.seeds[index] % 2**63,
@@ -257,7 +315,10 @@ class VllmSampler:
             response = await self._client.post("/v1/completions", json=body)
         if response.status_code >= 400:
             raise RuntimeError(f"vLLM answered {response.status_code}: {response.text[:500]}")
-        return response.json()["choices"][0]
+        choice = response.json()["choices"][0]
+        if choice.get("finish_reason") not in ("stop", "length"):  # e.g. "abort": vLLM gave up on it
+            raise RuntimeError(f"vLLM ended a sample with finish_reason {choice.get('finish_reason')!r}")
+        return choice
 
     def _result(self, job: SampleJob, choices: list[dict[str, Any]]) -> SampleResult:
         k = job.topk_sample_logprobs
@@ -297,23 +358,45 @@ class VllmSampler:
         return name
 
     async def _register(self, name: str, directory: str, force: bool = False) -> None:
+        """Register ``name`` (if it is not) and count this request as using it until ``_run`` ends. Beyond
+        ``adapters`` registered, the least recently used adapter no request is sampling leaves vLLM (when every one is
+        in use, none leaves: the requests in flight bound how far over it goes)."""
         async with self._adapter_lock:
             if name in self._adapters and not force:
                 self._adapters.move_to_end(name)
+                self._in_use[name] += 1
                 return
-            while len(self._adapters) >= self.options.adapters:
-                old, _ = self._adapters.popitem(last=False)
-                await self._client.post("/v1/unload_lora_adapter", json={"lora_name": old})
-            if force:
-                await self._client.post("/v1/unload_lora_adapter", json={"lora_name": name})
-            response = await self._client.post("/v1/load_lora_adapter",
-                                               json={"lora_name": name, "lora_path": directory})
+            idle = [old for old in self._adapters if not self._in_use[old] and old != name]
+            for old in idle[:max(0, len(self._adapters) + 1 - self.options.adapters)]:
+                del self._adapters[old]
+                await self._unload(old)
+            response = await self._load(name, directory)
+            if response.status_code == 400:  # vLLM still has it (an unload that failed, or a vLLM we did not start)
+                await self._unload(name)
+                response = await self._load(name, directory)
             if response.status_code >= 400:
                 raise RuntimeError(f"vLLM refused the adapter in {directory}: {response.text[:500]}")
             self._adapters[name] = None
+            if not force:
+                self._in_use[name] += 1
+
+    async def _load(self, name: str, directory: str) -> httpx.Response:
+        return await self._client.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": directory})
+
+    async def _unload(self, name: str) -> None:
+        """Unload ``name`` from vLLM; a failure is logged (a later load of the name unloads it first)."""
+        try:
+            await self._client.post("/v1/unload_lora_adapter", json={"lora_name": name})
+        except httpx.HTTPError as e:
+            log.warning("vLLM: unloading adapter %s failed: %s", name, e)
 
 
-class SampleRefused(Exception):
+def snapshots_folder(root: Path, model_id: str) -> Path:
+    """Where a model's unnamed snapshots' adapters are written (deleted with the model)."""
+    return root / model_id.replace("/", "_") / SNAPSHOTS_FOLDER
+
+
+class SampleRefused(UserError):
     """A sample this sampler cannot serve; the client's error (category ``user``)."""
 
 

@@ -157,15 +157,27 @@ def test_the_models_eos_stops_unless_stop_is_empty(trained, qwen_dir: Path) -> N
 
     _, client = trained
     eos = json.loads((qwen_dir / "config.json").read_text())["eos_token_id"]
-    # With the EOS banned by an empty stop list, a long completion runs to max_tokens.
-    result = sample(client, PROMPT, max_tokens=40, temperature=1.0, seed=1, stop=[], num_samples=4)
-    assert all(len(s.tokens) == 40 for s in result.sequences)
-    # By default the model's EOS stops (and is kept): every completion that holds it ends there.
-    result = sample(client, PROMPT, max_tokens=40, temperature=1.0, seed=1, num_samples=4)
-    for s in result.sequences:
-        tokens = list(s.tokens)
-        if eos in tokens:
-            assert tokens.index(eos) == len(tokens) - 1 and s.stop_reason == "stop"
+    draw = {"max_tokens": 60, "temperature": 1.0, "seed": 1, "num_samples": 32}
+    free = [list(s.tokens) for s in sample(client, PROMPT, stop=[], **draw).sequences]
+    assert all(len(t) == 60 for t in free)  # no stop at all: every completion runs to max_tokens
+    assert any(eos in t for t in free), "no draw sampled the EOS: pick another seed"
+    # The same draws with the default stop: each ends at its first EOS (kept), the others run on.
+    stopped = sample(client, PROMPT, **draw).sequences
+    for tokens, s in zip(free, stopped):
+        cut = tokens[:tokens.index(eos) + 1] if eos in tokens else tokens
+        assert list(s.tokens) == cut and s.stop_reason == ("stop" if eos in tokens else "length")
+
+
+def test_a_sampler_checkpoint_saved_again_under_its_name_samples_the_new_weights(service) -> None:
+    training = service.create_lora_training_client(base_model=QWEN, rank=8).result(timeout=120)
+    train(training, 2)
+    path = training.save_weights_for_sampler("latest").result(timeout=120).path
+    before = greedy(service.create_sampling_client(model_path=path), PROMPT)
+    train(training, 3, [9, 8, 7, 6, 5, 4, 3])
+    assert training.save_weights_for_sampler("latest").result(timeout=120).path == path
+    after = greedy(service.create_sampling_client(model_path=path), PROMPT)
+    current = greedy(training.save_weights_and_get_sampling_client().result(timeout=120), PROMPT)
+    assert after == current != before
 
 
 def test_logprobs_and_prompt_logprobs_match_the_trainer(trained) -> None:
@@ -182,6 +194,9 @@ def test_logprobs_and_prompt_logprobs_match_the_trainer(trained) -> None:
     for row, own in zip(rows[1:], result.prompt_logprobs[1:]):
         values = [v for _, v in row]
         assert values == sorted(values, reverse=True) and values[0] >= own - LOGPROB_ATOL
+    last = sample(client, PROMPT, max_tokens=1, include_prompt_logprobs=True, prompt_logprobs_last_n=2)
+    assert last.prompt_logprobs[:-2] == [None] * (len(PROMPT) - 2)
+    assert np.allclose(last.prompt_logprobs[-2:], expected[len(PROMPT) - 3:len(PROMPT) - 1], atol=LOGPROB_ATOL, rtol=0)
 
 
 def test_an_older_sampling_client_keeps_its_weights_and_an_adapter_comes_back_from_disk(service) -> None:
