@@ -153,7 +153,7 @@ def measure(sampler: str, model_dir: Path, tmp: Path, vllm_python: str | None) -
         stop = threading.Event()
 
         def rollouts() -> None:
-            other = service.create_sampling_client(base_model=QWEN)
+            other = service.create_sampling_client(base_model=QWEN).result(timeout=120)
 
             async def loop() -> None:
                 while not stop.is_set():

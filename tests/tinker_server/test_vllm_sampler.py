@@ -136,8 +136,14 @@ def test_top_k_restricts_the_draw(trained) -> None:
             assert token in [t for t, _ in row], (token, row)
 
 
-def test_stop_tokens_and_stop_strings(trained, tokenizer) -> None:
-    _, client = trained
+@pytest.fixture(scope="module")
+def base_client(service: tinker.ServiceClient) -> tinker.SamplingClient:
+    """The untrained model: close to uniform over the vocabulary, so a draw holds printable text and the EOS."""
+    return service.create_sampling_client(base_model=QWEN).result(timeout=120)
+
+
+def test_stop_tokens_and_stop_strings(base_client, tokenizer) -> None:
+    client = base_client
     draw = {"max_tokens": 16, "temperature": 1.0, "seed": 21}  # a stop only cuts the same draw short
     tokens = list(sample(client, PROMPT, stop=[], **draw).sequences[0].tokens)
     stop_token = tokens[3]
@@ -152,10 +158,10 @@ def test_stop_tokens_and_stop_strings(trained, tokenizer) -> None:
     assert list(result.sequences[0].tokens) == tokens[:end] and result.sequences[0].stop_reason == "stop"
 
 
-def test_the_models_eos_stops_unless_stop_is_empty(trained, qwen_dir: Path) -> None:
+def test_the_models_eos_stops_unless_stop_is_empty(base_client, qwen_dir: Path) -> None:
     import json
 
-    _, client = trained
+    client = base_client
     eos = json.loads((qwen_dir / "config.json").read_text())["eos_token_id"]
     draw = {"max_tokens": 60, "temperature": 1.0, "seed": 1, "num_samples": 32}
     free = [list(s.tokens) for s in sample(client, PROMPT, stop=[], **draw).sequences]
@@ -172,10 +178,10 @@ def test_a_sampler_checkpoint_saved_again_under_its_name_samples_the_new_weights
     training = service.create_lora_training_client(base_model=QWEN, rank=8).result(timeout=120)
     train(training, 2)
     path = training.save_weights_for_sampler("latest").result(timeout=120).path
-    before = greedy(service.create_sampling_client(model_path=path), PROMPT)
+    before = greedy(service.create_sampling_client(model_path=path).result(timeout=120), PROMPT)
     train(training, 3, [9, 8, 7, 6, 5, 4, 3])
     assert training.save_weights_for_sampler("latest").result(timeout=120).path == path
-    after = greedy(service.create_sampling_client(model_path=path), PROMPT)
+    after = greedy(service.create_sampling_client(model_path=path).result(timeout=120), PROMPT)
     current = greedy(training.save_weights_and_get_sampling_client().result(timeout=120), PROMPT)
     assert after == current != before
 
@@ -213,9 +219,8 @@ def test_an_older_sampling_client_keeps_its_weights_and_an_adapter_comes_back_fr
     assert greedy(old, PROMPT) == before  # the old client's weights, registered again from disk
 
 
-def test_base_model_sampling(service) -> None:
-    client = service.create_sampling_client(base_model=QWEN)
-    assert len(greedy(client, PROMPT, max_tokens=4)) == 4
+def test_base_model_sampling(base_client) -> None:
+    assert len(greedy(base_client, PROMPT, max_tokens=4)) == 4
 
 
 def test_full_fine_tuning_is_refused_naming_the_alternative(service) -> None:
