@@ -259,9 +259,11 @@ def enable_gradient_checkpointing(model: torch.nn.Module) -> int:
 #: Positions per chunk of the output layer: its fp32 logits (B x chunk x vocabulary) are the largest tensor a pass
 #: makes, 1024 x 151,936 x 4 B = 0.6 GB a sequence for Qwen3, instead of T x V (5 GB at 8k tokens).
 LOGITS_CHUNK_TOKENS = 1024
-#: Config attributes of architectures whose forward changes the logits after the output layer (Gemma's soft-capping,
-#: Cohere's scale): the chunked path runs the output layer alone, so these take the one-pass path.
-_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale")
+#: The architectures (``config.model_type``) whose logits are their output layer's and nothing more, in the installed
+#: transformers: the chunked path runs the output layer alone. Others (Gemma 2-4's soft-capping, Granite's and
+#: Cohere's scales, ...) take the one-pass path rather than lose what their forward does after it.
+CHUNKED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "gpt2", "phi3",
+                                 "olmo2", "gemma"})
 
 
 def token_logprobs(model: torch.nn.Module, tokens: torch.Tensor, targets: torch.Tensor,
@@ -350,11 +352,12 @@ def token_logprobs_topk(model: torch.nn.Module, tokens: torch.Tensor, targets: t
 
 
 def _one_pass_only(causal: torch.nn.Module, head: torch.nn.Module) -> bool:
-    """Whether the output layer must run on all positions in the model's own forward: its logits are changed after it
-    (``_LOGIT_TRANSFORMS``), or it trains a weight tied to the input embedding. That weight's gradient would be
-    accumulated twice in one backward (the embedding's, the chunks'), which ZeRO's gradient hooks take for two
-    gradients of one parameter (ZeRO-2 and 3 assert); one pass sums them first, as autograd does within one graph."""
-    if any(getattr(causal.config, name, None) not in (None, 1.0) for name in _LOGIT_TRANSFORMS):
+    """Whether the output layer must run on all positions in the model's own forward: the architecture is not one
+    known to make its logits with the output layer alone (``CHUNKED_MODEL_TYPES``), or the output layer trains a
+    weight tied to the input embedding. That weight's gradient would be accumulated twice in one backward (the
+    embedding's, the chunks'), which ZeRO's gradient hooks take for two gradients of one parameter (ZeRO-2 and 3
+    assert); one pass sums them first, as autograd does within one graph."""
+    if getattr(causal.config, "model_type", None) not in CHUNKED_MODEL_TYPES:
         return True
     embedding = causal.get_input_embeddings()
     tied = {id(p) for p in embedding.parameters()} if embedding is not None else set()

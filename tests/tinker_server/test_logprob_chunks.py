@@ -221,3 +221,21 @@ def test_chunks_under_zero_on_real_ranks_match_the_one_pass_path(tmp_path: Path,
                 expected, actual = torch.tensor(grad), torch.tensor(got["grads"][name])
                 assert expected.abs().max() > 0, (case, name)
                 assert (actual - expected).abs().max() <= GRAD_RTOL * expected.abs().max(), (case, name)
+
+
+def test_an_architecture_that_changes_its_logits_after_the_output_layer_keeps_them() -> None:
+    """Gemma 2 soft-caps its logits after the output layer; the chunked path (the output layer alone) would lose that,
+    so an architecture outside ``CHUNKED_MODEL_TYPES`` takes the one-pass path: the model's own logits, bit for bit."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    torch.manual_seed(0)
+    model = Gemma2ForCausalLM(Gemma2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                           num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                                           final_logit_softcapping=0.5, tie_word_embeddings=False)).eval()
+    tokens = torch.randint(0, VOCAB, (2, 3 * CHUNK + 1))
+    targets = torch.randint(0, VOCAB, tokens.shape)
+    expected = torch.log_softmax(model(input_ids=tokens).logits.float(), dim=-1).gather(-1, targets[..., None])[..., 0]
+    with torch.no_grad():
+        assert torch.equal(token_logprobs(model, tokens, targets, chunk_tokens=CHUNK), expected)
+        plain = torch.log_softmax(model.lm_head(model.model(input_ids=tokens).last_hidden_state).float(), dim=-1)
+    assert not torch.allclose(plain.gather(-1, targets[..., None])[..., 0], expected, atol=1e-3)  # the cap matters
