@@ -268,6 +268,8 @@ class TinkerApi:
         model_ids = self.registry.close(session_id, reason)
         message = f"session {session_id} was closed: {reason}"
         self.scheduler.drop_session(session_id, message)
+        if self.vllm is not None:
+            self.vllm.cancel_session(session_id, message)
         for model_id in sorted(model_ids):  # internal: bookkeeping is never refused; in the session's turns
             self.scheduler.submit(JobKind.UNLOAD, model_id, model_id, internal=True, session=session_id)
         log.warning("closed session %s (%s): %d model(s) unloaded", session_id, reason, len(model_ids))

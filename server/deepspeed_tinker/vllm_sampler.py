@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import hashlib
 import logging
 import math
@@ -214,6 +215,9 @@ class VllmSampler:
         self._in_use: collections.Counter[str] = collections.Counter()  # adapter -> requests sampling it now
         self._slots: dict[str, asyncio.Semaphore] = {}  # session -> its samples' share of MAX_IN_FLIGHT
         self._waiting: collections.Counter[str] = collections.Counter()  # session -> its requests here
+        #: session -> request id -> its run on the loop (submitted from the HTTP threads, ended on the loop's).
+        self._tasks: dict[str, dict[str, concurrent.futures.Future]] = {}
+        self._tasks_lock = threading.Lock()
         self._closed = False
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="vllm-sampler", daemon=True)
@@ -254,8 +258,29 @@ class VllmSampler:
                                 "--sampler vllm")
         future = self.futures.create(session)
         self.futures.describe(future.request_id, JobKind.SAMPLE, owner)
-        asyncio.run_coroutine_threadsafe(self._run(future.request_id, job, session), self._loop)
-        return future.request_id
+        request_id = future.request_id
+        with self._tasks_lock:
+            task = asyncio.run_coroutine_threadsafe(self._run(request_id, job, session), self._loop)
+            self._tasks.setdefault(session, {})[request_id] = task
+        task.add_done_callback(lambda _: self._forget_task(session, request_id))
+        return request_id
+
+    def _forget_task(self, session: str, request_id: str) -> None:
+        with self._tasks_lock:
+            tasks = self._tasks.get(session, {})
+            tasks.pop(request_id, None)
+            if not tasks:
+                self._tasks.pop(session, None)
+
+    def cancel_session(self, session: str, reason: str) -> int:
+        """A closed session's samples: each one not finished fails with ``reason`` and is cancelled (vLLM aborts a
+        request whose connection closes); how many."""
+        with self._tasks_lock:
+            tasks = self._tasks.pop(session, {})
+        for request_id, task in tasks.items():
+            self.futures.fail(request_id, reason, "user")
+            task.cancel()
+        return len(tasks)
 
     def close(self) -> None:
         if self._closed:
@@ -280,6 +305,9 @@ class VllmSampler:
             self.futures.resolve(request_id, self._result(job, [task.result() for task in tasks]))
         except SampleRefused as e:
             self.futures.fail(request_id, str(e), "user")
+        except asyncio.CancelledError:  # cancel_session failed it already; this covers any other cancellation
+            self.futures.fail(request_id, "the sample was cancelled", "user")
+            raise
         except Exception as e:  # vLLM down, or an answer we cannot read: the client sees a server error
             error = e.exceptions[0] if isinstance(e, ExceptionGroup) else e
             if self.process is not None and self.process.exited():
