@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
+CHAT_LETTERS = Path(__file__).resolve().parents[2] / "examples" / "tinker" / "chat_letters.py"
 QWEN = "Qwen/Qwen3-8B"
 KEY = "tml-bench"
 COMPLETION_TOKENS = 64
@@ -118,10 +119,15 @@ def _logprob_gap(training: Any, client: Any, samples: int) -> dict[str, float]:
 
 
 def _rl_basic(base_url: str, model_dir: Path, log_dir: Path) -> float:
+    import importlib.util
+
     from transformers import AutoTokenizer
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "tinker_server"))
-    from chat_letters import ChatLettersDatasetBuilder
+    # The letters task of the demos' clients (examples/tinker/, not a package), by name: chz finds its classes so.
+    spec = importlib.util.spec_from_file_location("chat_letters", CHAT_LETTERS)
+    chat_letters = sys.modules["chat_letters"] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(chat_letters)
+    ChatLettersDatasetBuilder = chat_letters.ChatLettersDatasetBuilder
     from tinker_cookbook import tokenizer_utils
     from tinker_cookbook.recipes import rl_basic
 

@@ -89,6 +89,13 @@ class ServerConfig:
     #: torch threads of vLLM's CPU worker (``--vllm-threads``).
     vllm_threads: int = 1
 
+    def __post_init__(self) -> None:
+        # Options that cannot go together end the command where the configuration is made, before any rank starts
+        # (and on every rank alike: each makes its configuration from the same flags or JSON).
+        if self.sampler == "vllm" and len(self.base_models) != 1:
+            raise SystemExit("error: --sampler vllm serves exactly one --base-model (a local Hugging Face directory); "
+                             f"got {len(self.base_models)}")
+
     def vllm_options(self) -> VllmOptions:
         return VllmOptions(python=self.vllm_python, url=self.vllm_url, adapters=self.vllm_adapters,
                            max_lora_rank=self.vllm_max_lora_rank, threads=self.vllm_threads)

@@ -155,9 +155,6 @@ def _start_vllm(config: ServerConfig, futures: FutureStore,
     0's client of it."""
     if config.sampler != "vllm":
         return None, None
-    if len(config.base_models) != 1:
-        raise SystemExit("error: --sampler vllm serves exactly one --base-model (a local Hugging Face directory); got "
-                         f"{len(config.base_models)}")
     name, path = parse_base_model(config.base_models[0])
     spec = BASE_MODELS[name or str(Path(path).expanduser().resolve())]
     options = replace(config.vllm_options(), snapshots=config.sampler_snapshots, gpu=gpu,

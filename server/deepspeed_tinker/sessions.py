@@ -148,11 +148,8 @@ class SessionRegistry:
         """A training model; UserError saying why when it is unknown or its session was closed."""
         with self._lock:
             record = self._models.get(model_id)
-            closed = self._closed.get(session_of(model_id))
         if record is None:
-            if closed is not None:
-                raise UserError(f"model {model_id} is gone: its session {session_of(model_id)} was closed: {closed}")
-            raise UserError(f"unknown model id {model_id!r}")
+            raise self._missing("model", model_id, "model id")
         return record
 
     def add_sampler(self, session: SamplingSession) -> None:
@@ -166,13 +163,17 @@ class SessionRegistry:
     def sampler(self, sampler_id: str) -> SamplingSession:
         """A sampling session; UserError saying why when it is unknown or its session was closed."""
         sampler = self.find_sampler(sampler_id)
-        if sampler is not None:
-            return sampler
-        closed = self.closed_reason(session_of(sampler_id))
+        if sampler is None:
+            raise self._missing("sampling session", sampler_id, "sampling session")
+        return sampler
+
+    def _missing(self, kind: str, object_id: str, unknown: str) -> UserError:
+        """Why a model or sampling session is not here: its session was closed (and why), or it is an unknown
+        ``unknown``."""
+        closed = self.closed_reason(session_of(object_id))
         if closed is not None:
-            raise UserError(f"sampling session {sampler_id} is gone: its session {session_of(sampler_id)} was "
-                            f"closed: {closed}")
-        raise UserError(f"unknown sampling session {sampler_id!r}")
+            return UserError(f"{kind} {object_id} is gone: its session {session_of(object_id)} was closed: {closed}")
+        return UserError(f"unknown {unknown} {object_id!r}")
 
     def run_touch_due(self, model_id: str, every_s: float = 1.0) -> bool:
         """Whether a model's training run should have its last request time written now (at most once per

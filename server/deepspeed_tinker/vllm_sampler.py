@@ -233,8 +233,8 @@ class VllmSampler:
     async def _make_lock() -> asyncio.Lock:
         return asyncio.Lock()
 
-    def _call(self, coroutine: Any) -> Any:
-        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
+    def _call(self, coroutine: Any, timeout_s: float = 30.0) -> Any:
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout_s)
 
     def snapshot_dir(self, root: Path, model_id: str, snapshot_id: str) -> Path:
         """Where an unnamed snapshot's adapter goes; the model's older ones beyond the newest ``snapshots - 1`` are
@@ -397,6 +397,7 @@ class VllmSampler:
             idle = [old for old in self._adapters if not self._in_use[old] and old != name]
             for old in idle[:max(0, len(self._adapters) + 1 - self.options.adapters)]:
                 del self._adapters[old]
+                self._in_use.pop(old, None)
                 await self._unload(old)
             response = await self._load(name, directory)
             if response.status_code == 400:  # vLLM still has it (an unload that failed, or a vLLM we did not start)

@@ -54,10 +54,12 @@ def test_every_server_option_reaches_the_configuration(tmp_path: Path) -> None:
     parser = build_parser()
     options = non_default_options(tmp_path)
     assert {option[0][2:].replace("-", "_") for option in options} == server_option_names(), "cover every option"
-    default = server_config(parser.parse_args(["rank"]))
     for option in options:
         dest = option[0][2:].replace("-", "_")
-        changed = server_config(parser.parse_args(["rank", *option]))
+        # --sampler vllm needs one --base-model: both configurations have it, so the sampler alone differs.
+        given = ["--base-model", str(tmp_path / "m")] if dest == "sampler" else []
+        default = server_config(parser.parse_args(["rank", *given]))
+        changed = server_config(parser.parse_args(["rank", *given, *option]))
         differing = [f.name for f in dataclasses.fields(ServerConfig)
                      if getattr(changed, f.name) != getattr(default, f.name)]
         assert differing == [FIELD_OF_OPTION.get(dest, dest)], f"{option[0]} changes exactly its field: {differing}"
@@ -77,7 +79,9 @@ def test_serve_passes_its_configuration_to_the_ranks_whole(tmp_path: Path) -> No
 @pytest.mark.parametrize("demo", DEMOS)
 def test_a_demo_passes_every_server_option_it_was_given(tmp_path: Path, demo: str) -> None:
     parser = build_parser()
-    flags = [flag for option in non_default_options(tmp_path) for flag in option]
+    # The recipes demo serves two models, which --sampler vllm refuses (the test below): it runs the ranks' sampler.
+    flags = [flag for option in non_default_options(tmp_path) for flag in option
+             if not (demo == "recipes-demo" and option[0] == "--sampler")]
     given = parser.parse_args([demo, *flags])
     extra_models = ("Qwen/Qwen3-8B=/models/qwen3", ) if demo == "recipes-demo" else ()
     server, client_env = _demo_server(given, tmp_path / demo, *extra_models)
@@ -98,3 +102,10 @@ def test_what_a_demo_decides(tmp_path: Path) -> None:
     assert server.config.device == "cpu" and not server.config.access_log and server.config.max_chunk_datums == 32
     server, _ = _demo_server(parser.parse_args(["demo", "--access-log"]), tmp_path / "b")
     assert server.config.access_log and server.config.max_chunk_datums == 8  # the SFT demo's chunks show the split
+
+
+def test_the_vllm_sampler_without_exactly_one_base_model_is_refused_before_any_rank_starts() -> None:
+    parser = build_parser()
+    for base_models in ([], ["--base-model", "/a", "--base-model", "/b"]):
+        with pytest.raises(SystemExit, match="--sampler vllm serves exactly one --base-model"):
+            server_config(parser.parse_args(["serve", "--sampler", "vllm", *base_models]))

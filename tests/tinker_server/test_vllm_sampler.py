@@ -17,7 +17,7 @@ from typing import Any, Iterator
 
 import numpy as np
 import pytest
-from tinker_sdk_helpers import API_KEY, require, served
+from tinker_sdk_helpers import API_KEY, load_example, require, served
 
 require("tinker")
 import tinker  # noqa: E402
@@ -242,7 +242,7 @@ def test_the_cookbook_rl_recipe_runs_unmodified(server, qwen_dir: Path, tmp_path
     import json
 
     pytest.importorskip("tinker_cookbook.rl.train", reason="install requirements/tinker-cookbook.txt (--no-deps)")
-    from chat_letters import ChatLettersDatasetBuilder
+    ChatLettersDatasetBuilder = load_example("chat_letters").ChatLettersDatasetBuilder
     from tinker_cookbook import tokenizer_utils
     from tinker_cookbook.recipes import rl_basic
     from transformers import AutoTokenizer

@@ -8,7 +8,7 @@ distillation (``distillation/train_off_policy``) on ``Qwen/Qwen3-8B``.
 Each is driven through the recipe's own ``build_config_blueprint`` (or ``Config``) and ``main``, with what a user
 changes on its command line (``base_url``, ``log_path``, the learning rate, a few steps) and a local dataset in place
 of the one it downloads from the hub: the cookbook's own ``example_data/conversations.jsonl`` for SL and
-distillation, the letters task as a chat (``chat_letters.py``, beside this file) for RL, a preference file the
+distillation, the letters task as a chat (``examples/tinker/chat_letters.py``) for RL, a preference file the
 test writes for DPO. The tokenizers come from the cookbook's registry (``register_tokenizer``, as a user's script
 does offline). DPO and distillation are deterministic (no sampling): they start from saved adapters
 (``load_checkpoint_path``, a recipe option) and every step's loss and the final adapters equal a plain-PyTorch
@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import pytest
-from tinker_sdk_helpers import API_KEY, require
+from tinker_sdk_helpers import API_KEY, load_example, require
 
 if TYPE_CHECKING:
     from deepspeed_tinker.model import LoraSpec
@@ -76,7 +76,7 @@ def test_sl_basic_lowers_the_loss(server, cookbook_env, tmp_path: Path) -> None:
 def test_rl_basic_with_async_config_raises_the_reward(server, cookbook_env, tmp_path: Path) -> None:
     if server.zero_stage != 3:
         pytest.skip("one stage is enough: the recipe's requests are those the SDK tests check on every stage")
-    from chat_letters import ChatLettersDatasetBuilder
+    ChatLettersDatasetBuilder = load_example("chat_letters").ChatLettersDatasetBuilder
     from tinker_cookbook.recipes import rl_basic
     from tinker_cookbook.rl.train import AsyncConfig
 
@@ -225,7 +225,7 @@ def test_rl_basic_with_a_kl_penalty_against_the_base_model(server, cookbook_env,
         pytest.skip("one stage is enough: the recipe's requests are those the SDK tests check on every stage")
     import tinker
     import torch
-    from chat_letters import ChatLettersDatasetBuilder
+    ChatLettersDatasetBuilder = load_example("chat_letters").ChatLettersDatasetBuilder
     from tinker_cookbook.recipes import rl_basic
     from tinker_cookbook.rl.train import KLReferenceConfig
     from transformers import AutoModelForCausalLM
