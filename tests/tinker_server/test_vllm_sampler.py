@@ -31,8 +31,9 @@ pytestmark = [
                        "DEEPSPEED_TINKER_VLLM_PYTHON)"),
 ]
 QWEN = "Qwen/Qwen3-8B"
-#: vLLM's logprobs against the trainer's forward, fp32 on both sides: kernel rounding only (measured: 5e-7).
-LOGPROB_ATOL = 1e-4
+#: vLLM's logprobs against the trainer's forward, fp32 on both sides: kernel rounding only, never bitwise (other
+#: kernels; measured: at most 9.5e-7 over 4,096 tokens), so ten times that.
+LOGPROB_ATOL = 1e-5
 #: Adapters registered with vLLM at once: small, so the tests see one leave and come back.
 ADAPTERS = 2
 MAX_LORA_RANK = 16
