@@ -95,11 +95,26 @@ def trainer_logprobs(training: tinker.TrainingClient, tokens: list[int]) -> np.n
     return np.asarray(out.loss_fn_outputs[0]["logprobs"].tolist())
 
 
+#: A sequence the snapshot tests train on and read back: which weights a sampler holds shows in its logprobs of it.
+PROBE = [9, 8, 7, 6, 5, 4, 3]
+
+
+def probe_logprobs(client: tinker.SamplingClient) -> np.ndarray:
+    """The sampler's ``log p(PROBE[i] | PROBE[:i])``, i >= 1: its weights, seen without a draw (a tiny model's greedy
+    tokens can stay the same across training steps)."""
+    result = sample(client, PROBE, max_tokens=1, stop=[], include_prompt_logprobs=True)
+    return np.asarray(result.prompt_logprobs[1:])
+
+
+def close(sampler: np.ndarray, trainer: np.ndarray) -> bool:
+    return bool(np.allclose(sampler, trainer, atol=LOGPROB_ATOL, rtol=0))
+
+
 @pytest.fixture(scope="module")
 def trained(service: tinker.ServiceClient) -> tuple[tinker.TrainingClient, tinker.SamplingClient]:
     training = service.create_lora_training_client(base_model=QWEN, rank=8).result(timeout=120)
     train(training, 3)
-    return training, training.save_weights_and_get_sampling_client(name="trained").result(timeout=120)
+    return training, training.save_weights_and_get_sampling_client().result(timeout=120)
 
 
 PROMPT = [3, 17, 42, 8]
@@ -179,12 +194,14 @@ def test_a_sampler_checkpoint_saved_again_under_its_name_samples_the_new_weights
     training = service.create_lora_training_client(base_model=QWEN, rank=8).result(timeout=120)
     train(training, 2)
     path = training.save_weights_for_sampler("latest").result(timeout=120).path
-    before = greedy(service.create_sampling_client(model_path=path).result(timeout=120), PROMPT)
-    train(training, 3, [9, 8, 7, 6, 5, 4, 3])
+    before = probe_logprobs(service.create_sampling_client(model_path=path).result(timeout=120))
+    assert close(before, trainer_logprobs(training, PROBE))
+    train(training, 3, PROBE)
     assert training.save_weights_for_sampler("latest").result(timeout=120).path == path
-    after = greedy(service.create_sampling_client(model_path=path).result(timeout=120), PROMPT)
-    current = greedy(training.save_weights_and_get_sampling_client().result(timeout=120), PROMPT)
-    assert after == current != before
+    after = probe_logprobs(service.create_sampling_client(model_path=path).result(timeout=120))
+    expected = trainer_logprobs(training, PROBE)
+    assert close(after, expected)
+    assert np.abs(before - expected).max() > 1e-2  # training moved the weights: "after" is not the old adapter
 
 
 def test_logprobs_and_prompt_logprobs_match_the_trainer(trained) -> None:
@@ -210,14 +227,17 @@ def test_an_older_sampling_client_keeps_its_weights_and_an_adapter_comes_back_fr
     training = service.create_lora_training_client(base_model=QWEN, rank=8).result(timeout=120)
     train(training, 2)
     old = training.save_weights_and_get_sampling_client().result(timeout=120)
-    before = greedy(old, PROMPT)
+    old_weights = trainer_logprobs(training, PROBE)
+    assert close(probe_logprobs(old), old_weights)
     snapshots = []
     for _ in range(ADAPTERS + 1):  # more snapshots than vLLM holds: the first one's adapter leaves vLLM
-        train(training, 2, [9, 8, 7, 6, 5, 4, 3])
+        train(training, 2, PROBE)
         snapshots.append(training.save_weights_and_get_sampling_client().result(timeout=120))
-        greedy(snapshots[-1], PROMPT)
-    assert greedy(snapshots[-1], PROMPT) != before  # training changed the newest weights
-    assert greedy(old, PROMPT) == before  # the old client's weights, registered again from disk
+        probe_logprobs(snapshots[-1])
+    new_weights = trainer_logprobs(training, PROBE)
+    assert np.abs(new_weights - old_weights).max() > 1e-2  # training moved the weights
+    assert close(probe_logprobs(snapshots[-1]), new_weights)
+    assert close(probe_logprobs(old), old_weights)  # the old client's weights, registered again from disk
 
 
 def test_base_model_sampling(base_client) -> None:
