@@ -9,7 +9,6 @@ error in the future's result.
 from __future__ import annotations
 
 import asyncio
-import collections
 import json
 import logging
 import math
@@ -27,6 +26,7 @@ from .checkpoint_files import directory_size, parse_age_recipients
 from .checkpoint_store import CheckpointStore, TinkerPath
 from .checkpoint_store import checkpoint_dir as checkpoint_dir
 from .checkpoint_store import parse_tinker_path as parse_tinker_path
+from .idempotency import IdempotencyReplies
 from .jobs import (
     AdamParams,
     CheckpointRecord,
@@ -156,7 +156,7 @@ class TinkerApi:
         self.settings = settings
         self._lock = threading.Lock()
         self.registry = SessionRegistry()
-        self._replies: collections.OrderedDict[str, Response] = collections.OrderedDict()
+        self._replies = IdempotencyReplies()
         self._samples: dict[tuple[str, int], Response] = {}  # (sampling session, seq_id) -> first reply
         self.stability = StabilityRecords()
         self._rng = np.random.default_rng()
@@ -191,13 +191,13 @@ class TinkerApi:
         return dict(self._posts)
 
     def post(self, handler: PostHandler, headers: dict[str, str], body: bytes) -> Response:
-        """One POST through its route's handler (headers keyed in lower case): a repeated ``X-Idempotency-Key``
-        gets the first response again, a UserError is a 400 naming the problem, a full session or store a 429."""
+        """One POST through its route's handler (headers keyed in lower case): an ``X-Idempotency-Key`` repeated
+        with the same API key gets the first response again, a UserError is a 400 naming the problem, a full
+        session or store a 429."""
         key = headers.get("x-idempotency-key")
-        if key:
-            with self._lock:
-                if key in self._replies:
-                    return self._replies[key]
+        api_key = headers.get("x-api-key", "")
+        if key and (reply := self._replies.get(api_key, key)) is not None:
+            return reply
         try:
             response = handler(headers, body)
         except UserError as e:
@@ -205,10 +205,7 @@ class TinkerApi:
         except FutureStoreFull as e:  # nothing was queued: the client may retry the same request later
             response = error_response(429, str(e))
         if key and response.status < 500 and response.status != 429:
-            with self._lock:
-                self._replies[key] = response
-                while len(self._replies) > 10_000:
-                    self._replies.popitem(last=False)
+            self._replies.put(api_key, key, response)
         return response
 
     def capabilities(self) -> Response:

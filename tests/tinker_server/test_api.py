@@ -83,6 +83,29 @@ def test_idempotency_key_replays_the_first_response(api: TinkerApi) -> None:
     assert post(api, "create_session", {}, **{"x-idempotency-key": "k2"}) != first
 
 
+def test_idempotency_replies_are_kept_per_api_key(api: TinkerApi) -> None:
+    first = post(api, "create_session", {}, **{"x-idempotency-key": "k1"})
+    other = post(api, "create_session", {}, **{"x-idempotency-key": "k1", "x-api-key": "tml-other"})
+    assert other != first, "another tenant's request with the same idempotency key is its own request"
+    assert post(api, "create_session", {}, **{"x-idempotency-key": "k1", "x-api-key": "tml-other"}) == other
+
+
+def test_one_api_keys_flood_of_idempotency_keys_pushes_out_only_its_own_replies() -> None:
+    from deepspeed_tinker.idempotency import IdempotencyReplies
+    from deepspeed_tinker.responses import json_response
+
+    replies = IdempotencyReplies(per_key=3, api_keys=2)
+    kept = json_response({"kept": True})
+    replies.put("tml-a", "k", kept)
+    for i in range(10):  # tenant b's flood
+        replies.put("tml-b", f"k{i}", json_response({"i": i}))
+    assert replies.get("tml-a", "k") is kept
+    assert replies.get("tml-b", "k0") is None and replies.get("tml-b", "k9") is not None
+    assert replies.get("tml-b", "k") is None
+    replies.put("tml-c", "k", kept)  # a third key: the least recently used key's replies go
+    assert replies.get("tml-a", "k") is None and replies.get("tml-b", "k9") is not None
+
+
 def test_a_retried_create_model_is_the_same_model(api: TinkerApi) -> None:
     session = post(api, "create_session", {})[1]["session_id"]
     body = {"session_id": session, "model_seq_id": 3, "base_model": "tiny-llama-byte"}
