@@ -13,6 +13,7 @@ import json
 import logging
 import math
 import random
+import secrets
 import shutil
 import threading
 import time
@@ -26,7 +27,7 @@ from .checkpoint_files import directory_size, parse_age_recipients
 from .checkpoint_store import CheckpointStore, TinkerPath
 from .checkpoint_store import checkpoint_dir as checkpoint_dir
 from .checkpoint_store import parse_tinker_path as parse_tinker_path
-from .idempotency import IdempotencyReplies
+from .idempotency import MAX_SAMPLE_REPLIES_PER_KEY, IdempotencyReplies
 from .jobs import (
     AdamParams,
     CheckpointRecord,
@@ -157,7 +158,7 @@ class TinkerApi:
         self._lock = threading.Lock()
         self.registry = SessionRegistry()
         self._replies = IdempotencyReplies()
-        self._samples: dict[tuple[str, int], Response] = {}  # (sampling session, seq_id) -> first reply
+        self._samples = IdempotencyReplies(per_key=MAX_SAMPLE_REPLIES_PER_KEY)  # "sampler:seq_id" -> first reply
         self.stability = StabilityRecords()
         self._rng = np.random.default_rng()
         self.store = CheckpointStore(settings.checkpoint_root)
@@ -205,7 +206,7 @@ class TinkerApi:
         except FutureStoreFull as e:  # nothing was queued: the client may retry the same request later
             response = error_response(429, str(e))
         if key and response.status < 500 and response.status != 429:
-            self._replies.put(api_key, key, response)
+            response = self._replies.put(api_key, key, response)
         return response
 
     def capabilities(self) -> Response:
@@ -497,7 +498,7 @@ class TinkerApi:
         ``create_sampling_client``) or, without one, as a new sampling session."""
         request = parse_json(body)
         model_id = str(request.get("model_id", ""))
-        snapshot_id = f"snap-{random.getrandbits(64):016x}"
+        snapshot_id = f"snap-{secrets.token_hex(8)}"
 
         def build(record: ModelRecord) -> SaveSampler:
             lora = record.lora.__dict__ if record.lora else None
@@ -633,10 +634,10 @@ class TinkerApi:
         request = parse_json(body)
         sampler_id = request.get("sampling_session_id")
         num = request.get("num_samples", 1)
-        key = (str(sampler_id), request.get("seq_id")) if sampler_id is not None else None
-        with self._lock:
-            if key is not None and key in self._samples:
-                return self._samples[key]
+        api_key = headers.get("x-api-key", "")
+        key = f"{sampler_id}:{request.get('seq_id')}" if sampler_id is not None else None
+        if key is not None and (reply := self._samples.get(api_key, key)) is not None:
+            return reply
         sequence_ids = [f"{sampler_id}:{request.get('seq_id')}:{i}" for i in range(num if isinstance(num, int)
                                                                                   and 0 < num <= 256 else 1)]
         try:
@@ -670,10 +671,7 @@ class TinkerApi:
             request_id = self._failed_request(str(e), session=session_of(str(sampler_id)))
         response = json_response({"request_id": request_id, "sample_sequence_ids": sequence_ids})
         if key is not None:
-            with self._lock:
-                response = self._samples.setdefault(key, response)
-                while len(self._samples) > 100_000:
-                    self._samples.pop(next(iter(self._samples)))
+            response = self._samples.put(api_key, key, response)
         return response
 
     def _on_finish(self, future: Future) -> None:

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import itertools
 import logging
+import secrets
 import threading
 import time
 from dataclasses import dataclass, field
@@ -96,7 +96,6 @@ class FutureStore:
         self._cond = threading.Condition()
         #: request_id -> the events of the coroutines waiting on it, each with its loop.
         self._async_waiters: dict[str, list[tuple[asyncio.AbstractEventLoop, asyncio.Event]]] = {}
-        self._ids = itertools.count(1)
         #: Called with each future once it has finished (outside the store's lock): the server's metrics.
         self.on_finish: Callable[[Future], None] | None = None
 
@@ -108,7 +107,9 @@ class FutureStore:
         with self._cond:
             if not internal:
                 self._check_room(1, session)
-            future = Future(f"req-{next(self._ids)}", session=session, created=time.monotonic())
+            # Unguessable: a request id is all retrieve_future asks for, so a counter would show one tenant's
+            # results to another.
+            future = Future(f"req-{secrets.token_hex(12)}", session=session, created=time.monotonic())
             self._futures[future.request_id] = future
             self._held[session] += 1
             failed_with = self._failed_with

@@ -8,7 +8,7 @@ guards every map, and a model is registered in the same critical section that qu
 from __future__ import annotations
 
 import collections
-import random
+import secrets
 import threading
 import time
 from dataclasses import dataclass
@@ -69,8 +69,9 @@ class SessionRegistry:
         self._touched: dict[str, float] = {}  # model_id -> when its run's last_request_time was last written
 
     def open(self) -> str:
-        """A new session's id."""
-        session_id = f"s{random.getrandbits(48):012x}"
+        """A new session's id: unguessable, as its models' and sampling sessions' ids (which start with it) are all
+        a request on them names."""
+        session_id = f"s{secrets.token_hex(8)}"
         with self._lock:
             self._models_of[session_id] = set()
             self._seen[session_id] = time.monotonic()

@@ -90,6 +90,19 @@ def test_idempotency_replies_are_kept_per_api_key(api: TinkerApi) -> None:
     assert post(api, "create_session", {}, **{"x-idempotency-key": "k1", "x-api-key": "tml-other"}) == other
 
 
+def test_session_and_request_ids_are_unguessable(api: TinkerApi) -> None:
+    """A request id is all ``retrieve_future`` asks for, a session id all its models' ids start with: a counter or
+    a seeded generator would let one tenant read another's results."""
+    import re
+
+    sessions = [post(api, "create_session", {})[1]["session_id"] for _ in range(2)]
+    assert sessions[0] != sessions[1] and all(re.fullmatch(r"s[0-9a-f]{16}", s) for s in sessions), sessions
+    model = new_model(api)
+    requests = [post(api, "optim_step", {"model_id": model, "seq_id": i, "adam_params": {"learning_rate": 1e-3}})[1]
+                ["request_id"] for i in (1, 2)]
+    assert requests[0] != requests[1] and all(re.fullmatch(r"req-[0-9a-f]{24}", r) for r in requests), requests
+
+
 def test_one_api_keys_flood_of_idempotency_keys_pushes_out_only_its_own_replies() -> None:
     from deepspeed_tinker.idempotency import IdempotencyReplies
     from deepspeed_tinker.responses import json_response

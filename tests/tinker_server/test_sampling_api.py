@@ -102,6 +102,8 @@ def test_sampling_sessions_and_retried_samples(tmp_path: Path) -> None:
     assert status == 200 and len(first["sample_sequence_ids"]) == 2
     assert post(api, "asample", request)[1] == first, "a retried (session, seq_id) is the same sample"
     assert post(api, "asample", {**request, "seq_id": 2})[1]["request_id"] != first["request_id"]
+    other_key = handle(api, "POST", "/api/v1/asample", {"x-api-key": "tml-other"}, json.dumps(request).encode())
+    assert json.loads(other_key.body)["request_id"] != first["request_id"], "replies are kept per API key"
     job = api.scheduler.next_job(timeout=0)
     assert (job.kind, job.payload.max_tokens, job.payload.snapshot) == ("sample", 3, BASE)
 
