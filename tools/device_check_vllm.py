@@ -1,7 +1,7 @@
 """The Tinker server with vLLM on one CUDA GPU, a model of a real size: serve, train through the SDK, sample, measure.
 
     python3 tools/device_check_vllm.py [REPORT.md]            # on the GPU machine: Qwen3, about 1.1B parameters
-    python3 tools/device_check_vllm.py REPORT.md --tiny       # the same steps on a tiny model, CPU (this file's test)
+    python3 tools/device_check_vllm.py REPORT.md --tiny       # the same steps on a tiny model, CPU (the suite runs it)
 
 Nothing can be downloaded on the GPU machine, so the model is a Qwen3 configuration of about 1.1B parameters
 (hidden 1536, 24 layers, 12 heads of 128, 4 KV heads, MLP 4608, vocabulary 151,936, untied), randomly initialised and
