@@ -93,13 +93,18 @@ def test_idempotency_replies_are_kept_per_api_key(api: TinkerApi) -> None:
 def test_session_and_request_ids_are_unguessable(api: TinkerApi) -> None:
     """A request id is all ``retrieve_future`` asks for, a session id all its models' ids start with: a counter or
     a seeded generator would let one tenant read another's results."""
+    import random
     import re
 
-    sessions = [post(api, "create_session", {})[1]["session_id"] for _ in range(2)]
-    assert sessions[0] != sessions[1] and all(re.fullmatch(r"s[0-9a-f]{16}", s) for s in sessions), sessions
+    sessions, requests = [], []
     model = new_model(api)
-    requests = [post(api, "optim_step", {"model_id": model, "seq_id": i, "adam_params": {"learning_rate": 1e-3}})[1]
-                ["request_id"] for i in (1, 2)]
+    for seq_id in (1, 2):
+        random.seed(0)  # the same state of Python's generator (and numpy's) before each: the ids must still differ
+        np.random.seed(0)
+        sessions.append(post(api, "create_session", {})[1]["session_id"])
+        requests.append(post(api, "optim_step", {"model_id": model, "seq_id": seq_id,
+                                                 "adam_params": {"learning_rate": 1e-3}})[1]["request_id"])
+    assert sessions[0] != sessions[1] and all(re.fullmatch(r"s[0-9a-f]{16}", s) for s in sessions), sessions
     assert requests[0] != requests[1] and all(re.fullmatch(r"req-[0-9a-f]{24}", r) for r in requests), requests
 
 

@@ -5,18 +5,12 @@ Its own file (not test_vllm_sampler.py's): it starts its own server, so pytest-x
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
+from tinker_sdk_helpers import requires_vllm
 
-VLLM_PYTHON = os.environ.get("DEEPSPEED_TINKER_VLLM_PYTHON", "")
-pytestmark = [
-    pytest.mark.pr("zero-0-1"),
-    pytest.mark.skipif(not os.access(VLLM_PYTHON, os.X_OK),
-                       reason="no vLLM environment (bash tools/vllm-env.sh; tools/test.sh sets "
-                       "DEEPSPEED_TINKER_VLLM_PYTHON)"),
-]
+pytestmark = [pytest.mark.pr("zero-0-1"), requires_vllm]
 
 
 def test_the_gpu_device_check_runs_its_steps_on_a_tiny_model(tmp_path: Path) -> None:

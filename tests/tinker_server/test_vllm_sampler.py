@@ -11,25 +11,18 @@ tiny models.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any, Iterator
 
 import numpy as np
 import pytest
-from tinker_sdk_helpers import API_KEY, load_example, require, served
+from tinker_sdk_helpers import API_KEY, VLLM_PYTHON, load_example, require, requires_vllm, served
 
 require("tinker")
 import tinker  # noqa: E402
 from tinker import types  # noqa: E402
 
-VLLM_PYTHON = os.environ.get("DEEPSPEED_TINKER_VLLM_PYTHON", "")
-pytestmark = [
-    pytest.mark.pr("zero-0-1"),
-    pytest.mark.skipif(not os.access(VLLM_PYTHON, os.X_OK),
-                       reason="no vLLM environment (bash tools/vllm-env.sh; tools/test.sh sets "
-                       "DEEPSPEED_TINKER_VLLM_PYTHON)"),
-]
+pytestmark = [pytest.mark.pr("zero-0-1"), requires_vllm]
 QWEN = "Qwen/Qwen3-8B"
 #: vLLM's logprobs against the trainer's forward, fp32 on both sides: kernel rounding only, never bitwise (other
 #: kernels; measured: at most 9.5e-7 over 4,096 tokens), so ten times that.

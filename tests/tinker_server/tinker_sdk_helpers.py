@@ -31,6 +31,14 @@ def require(module: str) -> Any:
     return pytest.importorskip(module, reason="install requirements/tinker-server.txt")
 
 
+#: vLLM's own Python, for ``serve --sampler vllm`` (tools/vllm-env.sh builds it; tools/test.sh exports it).
+VLLM_PYTHON = os.environ.get("DEEPSPEED_TINKER_VLLM_PYTHON", "")
+#: The tests that serve with vLLM skip without its environment.
+requires_vllm = pytest.mark.skipif(not os.access(VLLM_PYTHON, os.X_OK),
+                                   reason="no vLLM environment (bash tools/vllm-env.sh; tools/test.sh sets "
+                                   "DEEPSPEED_TINKER_VLLM_PYTHON)")
+
+
 #: The demos' clients (examples, not part of the installed server).
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "tinker"
 
